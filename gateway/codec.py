@@ -1,0 +1,36 @@
+"""The Codec contract: how object bytes are turned into a frame payload and back.
+
+A codec is built with its options (``load_codec("zstd", level=3)``), encodes an
+``ObjectData`` (which carries dtype, shape and memory format, and the torch tensor itself when
+there is one, so GPU codecs can encode on the device), and decodes from the payload plus what
+the frame header records. Nothing travels beside the frame: no side channel, no pickle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from gateway.frame import FrameInfo
+from gateway.types import Buffer, BufferParts, ParamValue
+
+if TYPE_CHECKING:
+    from gateway.objects import ObjectData
+
+
+@runtime_checkable
+class Codec(Protocol):
+    name: str
+    lossless: bool
+
+    def encode(self, obj: ObjectData) -> tuple[BufferParts, dict[str, ParamValue]]:
+        """Payload (one buffer or a scatter list) and the params to record in the frame."""
+        ...
+
+    def decode(self, payload: memoryview, info: FrameInfo, out: memoryview | None) -> Buffer:
+        """The object's raw bytes (``info.raw_len`` of them).
+
+        When ``out`` is given (a writable buffer of ``info.raw_len`` bytes), the codec should
+        write into it and return it; it may return another buffer instead. Malformed payloads
+        raise ``CorruptObject``.
+        """
+        ...

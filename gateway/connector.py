@@ -1,0 +1,155 @@
+"""The Connector contract: transport only, bytes in and bytes out.
+
+Behaviour every connector must have (``gateway.testing`` checks it on a real backend):
+
+- ``get(key)`` returns the whole object last written under ``key``, or ``None`` on a miss.
+  Failures raise a ``GatewayError`` (``Unavailable``, ``Timeout``, ...); they are never ``None``.
+- ``put(key, data)`` is atomic: a concurrent or later reader sees either the old object or the
+  new one whole, never a mix or a prefix. ``data`` may be one buffer or a scatter list whose
+  concatenation is the object; the connector must not keep references to it after returning.
+- ``exists`` / ``delete`` report whether the key was present.
+- ``close()`` releases clients and threads; calling it twice is harmless.
+- Blocking client libraries run in ``asyncio.to_thread`` inside the connector.
+
+Keys are arbitrary non-empty strings (LMCache key strings, ``str`` keys of users); a connector
+maps them to whatever its backend allows, without collisions and without path traversal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
+
+Allocator = Callable[[int], memoryview | None]
+"""Gives a writable buffer of exactly n bytes (a pool slab), or None when there is no room."""
+
+
+@runtime_checkable
+class Connector(Protocol):
+    """The whole interface the core uses. ``BaseConnector`` supplies the batch defaults."""
+
+    scheme: str
+    capabilities: Capabilities
+
+    async def get(self, key: str) -> Buffer | None: ...
+    async def put(self, key: str, data: BufferParts) -> None: ...
+    async def exists(self, key: str) -> bool: ...
+    async def delete(self, key: str) -> bool: ...
+    async def close(self) -> None: ...
+
+    async def get_into(self, key: str, alloc: Allocator) -> memoryview | None: ...
+    async def get_many(self, keys: Sequence[str]) -> list[Buffer | None]: ...
+    async def put_many(self, items: Sequence[tuple[str, BufferParts]]) -> None: ...
+    async def exists_many(self, keys: Sequence[str]) -> list[bool]: ...
+    def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]: ...
+    async def ping(self) -> bool: ...
+    def usage(self) -> tuple[int, int | None]: ...
+
+
+# The methods a layer must forward; tests/test_layers.py checks every layer against this list.
+PROTOCOL_METHODS: tuple[str, ...] = (
+    "get", "put", "exists", "delete", "close", "get_into", "get_many", "put_many",
+    "exists_many", "list", "ping", "usage",
+)
+
+
+def as_parts(data: BufferParts) -> list[memoryview]:
+    """The scatter list of ``data`` as byte-format memoryviews (no copies)."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        return [memoryview(data).cast("B")]
+    return [memoryview(p).cast("B") for p in data]
+
+
+def parts_len(data: BufferParts) -> int:
+    return sum(p.nbytes for p in as_parts(data))
+
+
+def join_parts(data: BufferParts) -> bytes:
+    """One ``bytes`` holding the whole object (a copy; for backends that need one value)."""
+    if isinstance(data, bytes):
+        return data
+    return b"".join(as_parts(data))
+
+
+class BaseConnector:
+    """Defaults for everything beyond the five core methods, written once.
+
+    Subclasses set ``scheme`` and ``capabilities`` and implement get/put/exists/delete/close;
+    they override a batch method only when the backend can do it faster.
+    """
+
+    scheme: ClassVar[str] = ""
+    capabilities: Capabilities = Capabilities()
+    batch_concurrency: int = 16
+
+    async def get(self, key: str) -> Buffer | None:
+        raise NotImplementedError
+
+    async def put(self, key: str, data: BufferParts) -> None:
+        raise NotImplementedError
+
+    async def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    async def delete(self, key: str) -> bool:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        return None
+
+    async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
+        """Read into a buffer from ``alloc``; falls back to a plain get when alloc says no.
+
+        Connectors with ``capabilities.zero_copy`` override this to read straight into the
+        buffer; this default costs one extra copy.
+        """
+        data = await self.get(key)
+        if data is None:
+            return None
+        src = memoryview(data).cast("B")
+        dst = alloc(src.nbytes)
+        if dst is None:
+            return src
+        dst[:] = src
+        return dst
+
+    async def _bounded(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+        sem = asyncio.Semaphore(self.batch_concurrency)
+
+        async def run(call: Callable[[], Any]) -> Any:
+            async with sem:
+                return await call()
+
+        return list(await asyncio.gather(*(run(c) for c in calls)))
+
+    async def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return await self._bounded([lambda k=k: self.get(k) for k in keys])
+
+    async def put_many(self, items: Sequence[tuple[str, BufferParts]]) -> None:
+        await self._bounded([lambda k=k, d=d: self.put(k, d) for k, d in items])
+
+    async def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return await self._bounded([lambda k=k: self.exists(k) for k in keys])
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        from gateway.errors import Unsupported
+
+        raise Unsupported(f"{self.scheme}:// cannot list its objects")
+        yield  # pragma: no cover - makes this an async generator
+
+    async def ping(self) -> bool:
+        await self.exists("kvgate-ping")
+        return True
+
+    def usage(self) -> tuple[int, int | None]:
+        """(bytes stored, capacity) as far as the connector knows; (0, None) if it doesn't."""
+        return (0, None)
+
+    async def __aenter__(self) -> BaseConnector:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,76 @@
+"""One error root for kvgate and its few kinds.
+
+A miss is ``None``, never an exception; a failure is an exception, never ``None``. Every error
+says whether retrying the same call can succeed (``retryable``), which the retry layer and the
+service's status-code map read instead of matching on types.
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Root of every error kvgate raises on purpose."""
+
+    retryable: bool = False
+    kind: str = "error"
+
+
+class NotFound(GatewayError):
+    """The named thing (a connector scheme, a codec, a tier) does not exist."""
+
+    kind = "not_found"
+
+
+class Unsupported(GatewayError):
+    """The operation or object is not supported by this connector, codec or build."""
+
+    kind = "unsupported"
+
+
+class ConfigError(GatewayError):
+    """The configuration is invalid; the message names the offending keys."""
+
+    kind = "config"
+
+
+class InvalidKey(GatewayError, ValueError):
+    """A key string is malformed (empty, too long, an ``@`` in a model name, ...)."""
+
+    kind = "invalid_key"
+
+
+class Unavailable(GatewayError):
+    """A backend is temporarily unreachable or refused the call; retrying may succeed."""
+
+    kind = "unavailable"
+    retryable = True
+
+
+class Timeout(Unavailable):
+    """A call did not finish within its deadline."""
+
+    kind = "timeout"
+
+
+class CircuitOpen(Unavailable):
+    """The tier's circuit breaker is open: calls fail fast until the reset period passes."""
+
+    kind = "circuit_open"
+
+
+class CorruptObject(GatewayError):
+    """Bytes read from a backend are not a valid object (bad magic, checksum or header)."""
+
+    kind = "corrupt"
+
+
+class CapacityError(GatewayError):
+    """The object does not fit: larger than allowed, or the backend is full."""
+
+    kind = "capacity"
+
+
+class MissingDependency(Unsupported):
+    """A connector or codec needs an optional extra that is not installed."""
+
+    kind = "missing_dependency"

@@ -1,0 +1,167 @@
+"""The self-describing object frame: every object below L1 is one of these blobs.
+
+Layout (little-endian)::
+
+    offset 0   magic  b"KVGF"
+           4   version u8 (1), flags u8 (0), reserved u16 (0)
+           8   header_len u32
+          12   header_check u32  = xxh32(bytes 0..12 + header)
+          16   header: msgpack of FrameHeader, header_len bytes
+               zero padding up to payload_offset = align_up(16 + header_len, 64)
+               payload: header.payload_len bytes, xxh3_64 == header.checksum
+
+One blob per object keeps every write atomic on every backend. The payload starts on a
+64-byte boundary so that a blob read into a pool buffer can be viewed as a tensor in place.
+Every byte is covered: the prefix and header by ``header_check``, the padding must be zero,
+the payload by ``checksum`` and the total length by ``payload_len``; a mangled blob is always a
+``CorruptObject``, never a crash and never a wrong object.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+
+import msgspec
+import xxhash
+
+from gateway.errors import CorruptObject
+from gateway.types import Buffer, ObjectKind, ParamValue
+
+MAGIC = b"KVGF"
+VERSION = 1
+PREFIX = struct.Struct("<4sBBHII")
+PREFIX_LEN = PREFIX.size  # 16
+ALIGN = 64
+MAX_HEADER_LEN = 1 << 20
+
+
+class FrameHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a reader needs to verify and decode the payload. ``FrameInfo`` for codecs."""
+
+    codec: str
+    kind: ObjectKind
+    dtype: str
+    shape: list[int]
+    raw_len: int
+    payload_len: int
+    checksum: int
+    fmt: int = 0
+    params: dict[str, ParamValue] = msgspec.field(default_factory=dict)
+    created_at: float = 0.0
+    ttl: float | None = None
+
+    def expired(self, now: float | None = None) -> bool:
+        if self.ttl is None:
+            return False
+        return (time.time() if now is None else now) > self.created_at + self.ttl
+
+
+FrameInfo = FrameHeader
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(FrameHeader)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def payload_checksum(payload: Buffer | Sequence[Buffer]) -> int:
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return xxhash.xxh3_64_intdigest(payload)
+    h = xxhash.xxh3_64()
+    for part in payload:
+        h.update(part)
+    return h.intdigest()
+
+
+def encode_header(
+    *,
+    codec: str,
+    kind: ObjectKind,
+    dtype: str,
+    shape: Sequence[int],
+    raw_len: int,
+    payload: Buffer | Sequence[Buffer],
+    fmt: int = 0,
+    params: dict[str, ParamValue] | None = None,
+    ttl: float | None = None,
+    checksum: int | None = None,
+) -> tuple[bytes, FrameHeader]:
+    """Build the prefix + header + padding for ``payload``; the frame is ``head + payload``.
+
+    The payload is not copied: callers write ``[head, payload...]`` as a scatter list.
+    """
+    parts = [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
+    payload_len = sum(memoryview(p).nbytes for p in parts)
+    header = FrameHeader(
+        codec=codec,
+        kind=kind,
+        dtype=dtype,
+        shape=list(shape),
+        raw_len=raw_len,
+        payload_len=payload_len,
+        checksum=payload_checksum(parts) if checksum is None else checksum,
+        fmt=fmt,
+        params=params or {},
+        created_at=time.time(),
+        ttl=ttl,
+    )
+    body = _encoder.encode(header)
+    start = struct.pack("<4sBBHI", MAGIC, VERSION, 0, 0, len(body))
+    check = xxhash.xxh32_intdigest(start + body)
+    head = start + struct.pack("<I", check) + body
+    return head + bytes(_align(len(head)) - len(head)), header
+
+
+def parse_header(blob: Buffer) -> tuple[FrameHeader, int]:
+    """Read and check the prefix and header; returns the header and the payload offset.
+
+    Needs only the first ``payload_offset`` bytes of the blob (the fs connector reads headers
+    alone when it rebuilds its index). Raises ``CorruptObject`` on any inconsistency.
+    """
+    view = memoryview(blob).cast("B")
+    if view.nbytes < PREFIX_LEN:
+        raise CorruptObject(f"frame too short: {view.nbytes} bytes")
+    magic, version, flags, reserved, header_len, check = PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CorruptObject("bad frame magic")
+    if version != VERSION or flags != 0 or reserved != 0:
+        raise CorruptObject(f"unknown frame version {version} (flags {flags})")
+    if header_len > MAX_HEADER_LEN or PREFIX_LEN + header_len > view.nbytes:
+        raise CorruptObject(f"frame header length {header_len} exceeds the blob")
+    body = view[PREFIX_LEN : PREFIX_LEN + header_len]
+    if xxhash.xxh32_intdigest(bytes(view[:12]) + bytes(body)) != check:
+        raise CorruptObject("frame header checksum mismatch")
+    try:
+        header = _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # pragma: no cover - checked
+        raise CorruptObject(f"undecodable frame header: {exc}") from None
+    if header.payload_len < 0 or header.raw_len < 0 or any(d < 0 for d in header.shape):
+        raise CorruptObject("negative length or dimension in frame header")
+    offset = _align(PREFIX_LEN + header_len)
+    pad = view[PREFIX_LEN + header_len : min(offset, view.nbytes)]
+    if pad.nbytes and any(pad):
+        raise CorruptObject("non-zero frame padding")
+    return header, offset
+
+
+def decode_frame(blob: Buffer, *, verify: bool = True) -> tuple[FrameHeader, memoryview]:
+    """Split a whole blob into its header and a zero-copy payload view, verifying both."""
+    view = memoryview(blob).cast("B")
+    header, offset = parse_header(view)
+    if view.nbytes != offset + header.payload_len:
+        raise CorruptObject(
+            f"frame length {view.nbytes} != {offset + header.payload_len} declared (truncated "
+            "or trailing bytes)"
+        )
+    payload = view[offset:]
+    if verify and xxhash.xxh3_64_intdigest(payload) != header.checksum:
+        raise CorruptObject("payload checksum mismatch")
+    return header, payload
+
+
+def frame_length(head: bytes, header: FrameHeader) -> int:
+    return len(head) + header.payload_len

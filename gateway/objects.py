@@ -1,0 +1,179 @@
+"""User objects <-> (metadata, raw bytes), with as few copies as possible.
+
+A stored object is its raw bytes plus ``ObjectMeta`` (kind, dtype, shape, memory format).
+Torch tensors of any dtype (bfloat16 and fp8 included) travel as their bytes viewed as uint8;
+``to_object`` rebuilds the same kind of object as a zero-copy view over a buffer.
+torch is optional: without it, ndarray and bytes-like objects still work.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gateway.errors import Unsupported
+from gateway.types import Buffer, MemoryFormat, ObjectKind
+
+if TYPE_CHECKING:
+    import torch
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+# Canonical dtype names (torch's, without the "torch." prefix) and their sizes in bytes.
+ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1, "float8_e5m2fnuz": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    kind: ObjectKind
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    fmt: int = MemoryFormat.UNDEFINED
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(_torch(), name, None)
+    if dtype is None or name not in ITEMSIZE:
+        raise Unsupported(f"dtype {name!r} is not supported by this torch build")
+    return dtype  # type: ignore[no-any-return]
+
+
+def _is_tensor(obj: object) -> bool:
+    return HAS_TORCH and type(obj).__module__.startswith("torch") and _is_torch_tensor(obj)
+
+
+def _is_torch_tensor(obj: object) -> bool:
+    return isinstance(obj, _torch().Tensor)
+
+
+class ObjectData:
+    """A user object seen as metadata plus bytes. Cheap to build: nothing is copied here."""
+
+    __slots__ = ("_host", "meta", "tensor")
+
+    def __init__(self, meta: ObjectMeta, host: memoryview | None, tensor: Any = None) -> None:
+        self.meta = meta
+        self._host = host
+        self.tensor = tensor  # the torch tensor (possibly on a GPU) when kind == "tensor"
+
+    def host(self) -> memoryview:
+        """The raw bytes on the host, contiguous (copies only for GPU or strided tensors)."""
+        if self._host is None:
+            t = self.tensor.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.contiguous().reshape(-1).view(_torch().uint8)
+            self._host = memoryview(t.numpy()).cast("B")
+        return self._host
+
+    def copy_into(self, dst: memoryview) -> None:
+        """Copy the raw bytes into ``dst`` (exactly ``meta.nbytes`` long) at memcpy speed."""
+        if self.meta.nbytes == 0:
+            return
+        if self.tensor is not None:
+            torch = _torch()
+            out = torch.from_numpy(np.frombuffer(dst, dtype=np.uint8))
+            src = self.tensor.detach()
+            if not src.is_contiguous():
+                src = src.contiguous()
+            out.copy_(src.reshape(-1).view(torch.uint8))
+            return
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(self.host(), np.uint8))
+
+
+def to_object_data(obj: object, fmt: int = MemoryFormat.UNDEFINED) -> ObjectData:
+    """Describe a user object; raises ``Unsupported`` for anything but the supported kinds."""
+    if isinstance(obj, bytes):
+        return ObjectData(ObjectMeta("bytes", "uint8", (len(obj),), len(obj), fmt),
+                          memoryview(obj))
+    if isinstance(obj, bytearray):
+        return ObjectData(ObjectMeta("bytearray", "uint8", (len(obj),), len(obj), fmt),
+                          memoryview(obj))
+    if isinstance(obj, memoryview):
+        view = obj if obj.c_contiguous else memoryview(obj.tobytes())
+        view = view.cast("B")
+        return ObjectData(ObjectMeta("memoryview", "uint8", (view.nbytes,), view.nbytes, fmt),
+                          view)
+    if isinstance(obj, np.ndarray):
+        return _ndarray_data(obj, fmt)
+    if _is_tensor(obj):
+        return _tensor_data(obj, fmt)
+    raise Unsupported(
+        f"cannot store a {type(obj).__name__}: use a torch tensor, numpy array, bytes, "
+        "bytearray or memoryview"
+    )
+
+
+def _ndarray_data(arr: np.ndarray[Any, Any], fmt: int) -> ObjectData:
+    if arr.dtype.kind not in "biufcV" or arr.dtype.fields is not None or arr.dtype.hasobject:
+        raise Unsupported(f"numpy dtype {arr.dtype} is not supported")
+    if arr.dtype.kind == "V" and arr.dtype.name not in ITEMSIZE:
+        raise Unsupported(f"numpy dtype {arr.dtype} is not supported")
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    arr = np.ascontiguousarray(arr)
+    meta = ObjectMeta("ndarray", arr.dtype.name, tuple(arr.shape), arr.nbytes, fmt)
+    return ObjectData(meta, memoryview(arr.reshape(-1).view(np.uint8)))
+
+
+def _tensor_data(t: torch.Tensor, fmt: int) -> ObjectData:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise Unsupported(f"torch dtype {t.dtype} is not supported")
+    meta = ObjectMeta("tensor", name, tuple(t.shape), t.numel() * t.element_size(), fmt)
+    return ObjectData(meta, None, t)
+
+
+def check_meta(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+    """Raise ``Unsupported``/``ValueError`` when metadata cannot describe ``nbytes`` bytes."""
+    itemsize = ITEMSIZE.get(dtype)
+    if itemsize is None:
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except TypeError:
+            raise Unsupported(f"unknown dtype {dtype!r}") from None
+    if math.prod(shape) * itemsize != nbytes:
+        raise ValueError(f"shape {shape} of {dtype} does not match {nbytes} bytes")
+
+
+def to_object(meta: ObjectMeta, buf: Buffer) -> object:
+    """Rebuild the user's kind of object over ``buf`` (zero-copy for tensors and arrays).
+
+    ``buf`` must stay valid as long as the result lives; leases from the buffer pool do.
+    """
+    view = memoryview(buf).cast("B")
+    kind = meta.kind
+    if kind == "bytes":
+        return bytes(view)
+    if kind == "bytearray":
+        return bytearray(view)
+    if kind == "memoryview":
+        return view
+    if kind == "ndarray":
+        arr = np.frombuffer(view, dtype=np.dtype(meta.dtype))
+        return arr.reshape(meta.shape)
+    if kind == "tensor":
+        torch = _torch()
+        if view.readonly:  # torch cannot wrap read-only memory without a warning
+            view = memoryview(bytearray(view))
+        if view.nbytes == 0:
+            return torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
+        flat = torch.from_numpy(np.frombuffer(view, dtype=np.uint8))
+        return flat.view(torch_dtype(meta.dtype)).reshape(meta.shape)
+    raise Unsupported(f"unknown object kind {kind!r}")

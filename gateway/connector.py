@@ -18,10 +18,13 @@ maps them to whatever its backend allows, without collisions and without path tr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
+from gateway.errors import Unsupported
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
+
+T = TypeVar("T")
 
 Allocator = Callable[[int], memoryview | None]
 """Gives a writable buffer of exactly n bytes (a pool slab), or None when there is no room."""
@@ -31,8 +34,10 @@ Allocator = Callable[[int], memoryview | None]
 class Connector(Protocol):
     """The whole interface the core uses. ``BaseConnector`` supplies the batch defaults."""
 
-    scheme: str
-    capabilities: Capabilities
+    @property
+    def scheme(self) -> str: ...
+    @property
+    def capabilities(self) -> Capabilities: ...
 
     async def get(self, key: str) -> Buffer | None: ...
     async def put(self, key: str, data: BufferParts) -> None: ...
@@ -51,8 +56,18 @@ class Connector(Protocol):
 
 # The methods a layer must forward; tests/test_layers.py checks every layer against this list.
 PROTOCOL_METHODS: tuple[str, ...] = (
-    "get", "put", "exists", "delete", "close", "get_into", "get_many", "put_many",
-    "exists_many", "list", "ping", "usage",
+    "get",
+    "put",
+    "exists",
+    "delete",
+    "close",
+    "get_into",
+    "get_many",
+    "put_many",
+    "exists_many",
+    "list",
+    "ping",
+    "usage",
 )
 
 
@@ -116,29 +131,27 @@ class BaseConnector:
         dst[:] = src
         return dst
 
-    async def _bounded(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    async def _bounded(self, calls: Sequence[Awaitable[T]]) -> list[T]:
+        """Await ``calls`` with at most ``batch_concurrency`` in flight."""
         sem = asyncio.Semaphore(self.batch_concurrency)
 
-        async def run(call: Callable[[], Any]) -> Any:
+        async def run(call: Awaitable[T]) -> T:
             async with sem:
-                return await call()
+                return await call
 
         return list(await asyncio.gather(*(run(c) for c in calls)))
 
     async def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
-        return await self._bounded([lambda k=k: self.get(k) for k in keys])
+        return await self._bounded([self.get(k) for k in keys])
 
     async def put_many(self, items: Sequence[tuple[str, BufferParts]]) -> None:
-        await self._bounded([lambda k=k, d=d: self.put(k, d) for k, d in items])
+        await self._bounded([self.put(k, d) for k, d in items])
 
     async def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        return await self._bounded([lambda k=k: self.exists(k) for k in keys])
+        return await self._bounded([self.exists(k) for k in keys])
 
-    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
-        from gateway.errors import Unsupported
-
+    def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         raise Unsupported(f"{self.scheme}:// cannot list its objects")
-        yield  # pragma: no cover - makes this an async generator
 
     async def ping(self) -> bool:
         await self.exists("kvgate-ping")

@@ -25,10 +25,25 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 # Canonical dtype names (torch's, without the "torch." prefix) and their sizes in bytes.
 ITEMSIZE: dict[str, int] = {
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
-    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1, "float8_e5m2fnuz": 1,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
 }
 
 
@@ -79,7 +94,7 @@ class ObjectData:
             if t.device.type != "cpu":
                 t = t.cpu()
             t = t.contiguous().reshape(-1).view(_torch().uint8)
-            self._host = memoryview(t.numpy()).cast("B")
+            self._host = t.numpy().data.cast("B")
         return self._host
 
     def copy_into(self, dst: memoryview) -> None:
@@ -100,20 +115,19 @@ class ObjectData:
 def to_object_data(obj: object, fmt: int = MemoryFormat.UNDEFINED) -> ObjectData:
     """Describe a user object; raises ``Unsupported`` for anything but the supported kinds."""
     if isinstance(obj, bytes):
-        return ObjectData(ObjectMeta("bytes", "uint8", (len(obj),), len(obj), fmt),
-                          memoryview(obj))
+        return ObjectData(ObjectMeta("bytes", "uint8", (len(obj),), len(obj), fmt), memoryview(obj))
     if isinstance(obj, bytearray):
-        return ObjectData(ObjectMeta("bytearray", "uint8", (len(obj),), len(obj), fmt),
-                          memoryview(obj))
+        return ObjectData(
+            ObjectMeta("bytearray", "uint8", (len(obj),), len(obj), fmt), memoryview(obj)
+        )
     if isinstance(obj, memoryview):
         view = obj if obj.c_contiguous else memoryview(obj.tobytes())
         view = view.cast("B")
-        return ObjectData(ObjectMeta("memoryview", "uint8", (view.nbytes,), view.nbytes, fmt),
-                          view)
+        return ObjectData(ObjectMeta("memoryview", "uint8", (view.nbytes,), view.nbytes, fmt), view)
     if isinstance(obj, np.ndarray):
         return _ndarray_data(obj, fmt)
     if _is_tensor(obj):
-        return _tensor_data(obj, fmt)
+        return _tensor_data(obj, fmt)  # type: ignore[arg-type]  # checked by _is_tensor
     raise Unsupported(
         f"cannot store a {type(obj).__name__}: use a torch tensor, numpy array, bytes, "
         "bytearray or memoryview"
@@ -129,7 +143,7 @@ def _ndarray_data(arr: np.ndarray[Any, Any], fmt: int) -> ObjectData:
         arr = arr.astype(arr.dtype.newbyteorder("="))
     arr = np.ascontiguousarray(arr)
     meta = ObjectMeta("ndarray", arr.dtype.name, tuple(arr.shape), arr.nbytes, fmt)
-    return ObjectData(meta, memoryview(arr.reshape(-1).view(np.uint8)))
+    return ObjectData(meta, arr.reshape(-1).view(np.uint8).data)
 
 
 def _tensor_data(t: torch.Tensor, fmt: int) -> ObjectData:

@@ -53,8 +53,22 @@ class LatencyHistogram:
     """Cumulative-bucket latency histogram in seconds (Prometheus style)."""
 
     bounds: tuple[float, ...] = (
-        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-        1.0, 2.5, 5.0, 10.0,
+        0.0001,
+        0.00025,
+        0.0005,
+        0.001,
+        0.0025,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1.0,
+        2.5,
+        5.0,
+        10.0,
     )
     counts: list[int] = field(default_factory=lambda: [0] * 17)
     total: float = 0.0
@@ -97,6 +111,7 @@ class TierStats:
     errors: dict[str, int] = field(default_factory=dict)
     corrupt: int = 0
     skipped_writes: int = 0
+    evictions: int = 0
     queue_depth: int = 0
     latency: dict[str, LatencyHistogram] = field(default_factory=dict)
 

@@ -1,0 +1,1 @@
+"""kvgate's connectors: one module per backend, the module named after its URL scheme."""

@@ -1,0 +1,516 @@
+"""``file:///abs/path`` — the disk tier: one file per object under a root directory.
+
+Layout under the root::
+
+    .lock                        flock(LOCK_EX | LOCK_NB) for the connector's lifetime
+    objects/ab/cd/<hash>.kvo     hash = blake2b(key, digest_size=20), hex; see _fsrecord
+    tmp/                         puts in progress (removed at start: they never completed)
+    quarantine/                  files found broken, kept for a human to look at
+
+Only hex digits from a hash become path components, so no key can name a file outside the
+root. The lock makes the root exclusive to one connector (in this or any process): the index
+in memory is then the truth about what is stored, and ``exists`` needs no I/O.
+
+put writes a temp file with ``os.writev`` (no joining of parts), fsyncs it, renames it into
+place and fsyncs the directory: readers see the old file or the new one, never a partial one.
+Puts and deletes of one key are serialized by a per-key lock; reads take no lock.
+
+The index is built lazily, in a worker thread, by the first operation (or an explicit
+``await connector.open()``): construction only takes the lock, so it is cheap and sync, and
+``await connector.get(...)`` works right after it. The scan reads headers, not data, inserts the
+keys into the eviction policy oldest first (by mtime) and evicts if over capacity.
+``usage()`` is exact once the index is built and (0, capacity) before.
+
+Capacity counts object bytes (what ``put`` was given), not headers or filesystem blocks.
+A cancelled call waits for its worker thread to stop (one chunk at most) before it re-raises,
+so no thread touches the caller's buffers after the call is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, ClassVar, Self, TypeVar
+from urllib.parse import unquote
+
+from pydantic import Field
+
+from connectors import _fsrecord as rec
+from connectors._keylocks import KeyLocks
+from connectors._options import StrictOptions, parse_options, split_url
+from gateway.connector import Allocator, BaseConnector, as_parts
+from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
+from gateway.policies import EvictionPolicy, make_policy
+from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_UNREADABLE = (rec.BadRecord, rec.ForeignRecord, FileNotFoundError)
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class _Quarantined:
+    """Marks a file that _check_file moved to quarantine/."""
+
+
+_QUARANTINED = _Quarantined()
+
+
+class FileOptions(StrictOptions):
+    capacity: int | None = Field(default=None, gt=0, description="bytes; None = unbounded")
+    eviction: str = "lru"
+    fsync: bool = True
+    fsync_dir: bool = True
+
+
+async def _in_thread(
+    fn: Callable[[threading.Event], T], on_abandon: Callable[[T], None] | None = None
+) -> T:
+    """``fn(stop)`` in a worker thread. On cancellation, set ``stop`` and wait for ``fn`` to
+    return before re-raising: ``fn`` may be using the caller's buffers. A result that ``fn``
+    produced anyway goes to ``on_abandon`` (to commit a finished write, to close a file)."""
+    stop = threading.Event()
+    job = asyncio.ensure_future(asyncio.to_thread(fn, stop))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        stop.set()
+        while not job.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait((job,))
+        if job.exception() is None and on_abandon is not None:
+            on_abandon(job.result())
+        raise
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _unlink_all(paths: Sequence[str]) -> None:
+    for path in paths:
+        _unlink_quiet(path)
+
+
+def _lock_root(root: str) -> int:
+    path = os.path.join(root, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"directory {root} is in use by another file:// connector (in this or another "
+            "process); close it first"
+        ) from None
+    # The holder's pid, for a human wondering who has the directory.
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+class FileConnector(BaseConnector):
+    scheme: ClassVar[str] = "file"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        capacity: int | None = None,
+        eviction: str = "lru",
+        fsync: bool = True,
+        fsync_dir: bool = True,
+    ) -> None:
+        if capacity is not None and capacity <= 0:
+            raise ConfigError(f"file:// capacity must be > 0 bytes, got {capacity}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.capacity = capacity
+        self.fsync = fsync
+        self.fsync_dir = fsync_dir
+        self.capabilities = Capabilities(
+            list=True, zero_copy=True, persistent=True, max_object_size=capacity
+        )
+        policy = make_policy(eviction, capacity or 0)  # checks the name even without capacity
+        self._policy: EvictionPolicy[str] | None = policy if capacity is not None else None
+        self._objects = os.path.join(self.root, "objects")
+        self._tmp = os.path.join(self.root, "tmp")
+        self._quarantine = os.path.join(self.root, "quarantine")
+        try:
+            for d in (self._objects, self._tmp, self._quarantine):
+                os.makedirs(d, exist_ok=True)
+            self._lock_fd: int | None = _lock_root(self.root)
+        except OSError as exc:
+            raise ConfigError(f"cannot use {self.root} for file://: {exc}") from exc
+        self._index: dict[str, int] | None = None  # key -> object bytes; None until scanned
+        self._opening = asyncio.Lock()
+        self._keys = KeyLocks()
+        self._used = 0  # bytes of committed objects
+        self._reserved = 0  # bytes promised to puts in flight (see _make_room)
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+        self.corrupt_files = 0
+        """Files found broken (bad record header, short) and moved to quarantine/."""
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        parts = split_url(url, cls.scheme)
+        path = unquote(parts.path)
+        if parts.netloc not in ("", "localhost") or not os.path.isabs(path):
+            raise ConfigError(f"{url!r}: file:// needs an absolute path, e.g. file:///var/kvgate")
+        opts = parse_options(FileOptions, url, options)
+        return cls(path, **opts.model_dump())
+
+    def __repr__(self) -> str:
+        return f"FileConnector(file://{self.root})"
+
+    def path_for(self, key: str) -> str:
+        """The file that holds (or would hold) ``key``."""
+        a, b, name = rec.object_name(key)
+        path = os.path.join(self._objects, a, b, name)
+        # Hex names cannot climb out of objects/; checked anyway, since it is the promise.
+        assert os.path.dirname(os.path.dirname(os.path.dirname(path))) == self._objects
+        return path
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[None]:
+        """Count an operation in flight, so that close() can wait for it."""
+        if self._closed:
+            raise GatewayError(f"{self!r} is closed")
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def open(self) -> None:
+        """Build the index (once); every operation calls this first."""
+        await self._ready()
+
+    async def _ready(self) -> dict[str, int]:
+        if self._index is not None:
+            return self._index
+        async with self._opening:
+            if self._index is None:
+                try:
+                    found, quarantined = await _in_thread(self._scan)
+                except OSError as exc:
+                    raise Unavailable(f"{self!r}: cannot scan {self._objects}: {exc}") from exc
+                self.corrupt_files += quarantined
+                self._index = {}
+                for record in sorted(found, key=lambda r: (r.mtime_ns, r.key)):
+                    self._index[record.key] = record.data_len
+                    self._used += record.data_len
+                    if self._policy is not None:
+                        self._policy.insert(record.key, record.data_len)
+                await self._make_room(0)  # the capacity may be smaller than last time
+            return self._index
+
+    def _scan(self, stop: threading.Event) -> tuple[list[rec.Record], int]:
+        """Remove stale temp files, read every record header, quarantine what is broken.
+
+        Returns the records found and the number of files quarantined.
+        """
+        for entry in os.scandir(self._tmp):  # the lock says no put of ours is running
+            _unlink_quiet(entry.path)
+        found, quarantined = [], 0
+        for top in os.scandir(self._objects):
+            for sub in os.scandir(top.path) if top.is_dir() else ():
+                for entry in os.scandir(sub.path) if sub.is_dir() else ():
+                    record = self._check_file(entry.path)
+                    if isinstance(record, rec.Record):
+                        found.append(record)
+                    quarantined += record is _QUARANTINED
+        return found, quarantined
+
+    def _check_file(self, path: str) -> rec.Record | _Quarantined | None:
+        """The record at ``path`` if it is whole and named right; None if there is no file;
+        else the file is moved to quarantine/ (and _QUARANTINED returned)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            record = rec.read_record(fd)
+        except rec.BadRecord as exc:
+            return self._quarantine_file(path, str(exc))
+        finally:
+            os.close(fd)
+        if self.path_for(record.key) != path:  # not where its key belongs: moved by hand
+            return self._quarantine_file(path, f"holds key {record.key!r}, not its own")
+        return record
+
+    def _quarantine_file(self, path: str, why: str) -> _Quarantined | None:
+        dest = os.path.join(self._quarantine, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
+        try:
+            os.replace(path, dest)
+        except FileNotFoundError:
+            return None
+        log.warning("%r: quarantined %s (%s) as %s", self, path, why, dest)
+        return _QUARANTINED
+
+    async def close(self) -> None:
+        """Wait for operations in flight, then release the directory lock. Idempotent."""
+        self._closed = True
+        await self._idle.wait()
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            os.close(fd)  # drops the flock
+
+    # -- reads ----------------------------------------------------------------------------
+
+    async def get(self, key: str) -> Buffer | None:
+        with self._op():
+            if key not in await self._ready():
+                return None
+            path = self.path_for(key)
+
+            def read(stop: threading.Event) -> bytearray:
+                fd, record = rec.open_record(path, key)
+                try:
+                    buf = bytearray(record.data_len)
+                    rec.read_exact(fd, memoryview(buf), record.data_offset, stop)
+                    return buf
+                finally:
+                    os.close(fd)
+
+            try:
+                data = await _in_thread(read)
+            except _UNREADABLE:
+                await self._forget_unreadable(key)
+                return None
+            except OSError as exc:
+                raise Unavailable(f"{self!r}: reading {key!r}: {exc}") from exc
+            self._touch(key)
+            return data
+
+    async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
+        """Read the object straight into ``alloc(size)`` (a new bytearray if alloc says no)."""
+        with self._op():
+            if key not in await self._ready():
+                return None
+            path = self.path_for(key)
+            try:
+                fd, record = await _in_thread(
+                    lambda stop: rec.open_record(path, key), lambda opened: os.close(opened[0])
+                )
+                try:
+                    given = alloc(record.data_len)
+                    buf = memoryview(bytearray(record.data_len)) if given is None else given
+                    if buf.nbytes != record.data_len:
+                        raise ValueError(f"alloc({record.data_len}) gave {buf.nbytes} bytes")
+                    await _in_thread(
+                        lambda stop: rec.read_exact(fd, buf.cast("B"), record.data_offset, stop)
+                    )
+                finally:
+                    os.close(fd)  # a close of a read-only fd does not wait for the disk
+            except _UNREADABLE:
+                await self._forget_unreadable(key)
+                return None
+            except OSError as exc:
+                raise Unavailable(f"{self!r}: reading {key!r}: {exc}") from exc
+            self._touch(key)
+            return buf
+
+    def _touch(self, key: str) -> None:
+        if self._policy is not None and self._index is not None and key in self._index:
+            self._policy.touch(key)
+
+    async def _forget_unreadable(self, key: str) -> None:
+        """A read failed: look again under the key's lock, and drop the key if it is gone.
+
+        A put may have replaced the file since the read, hence the second look; a broken file
+        is quarantined, another key's file (a hash collision) is left alone.
+        """
+        path = self.path_for(key)
+        async with self._keys.hold(key):
+            found = await _in_thread(lambda stop: self._check_file(path))
+            if found is _QUARANTINED:
+                self.corrupt_files += 1
+            if not (isinstance(found, rec.Record) and found.key == key):
+                self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        assert self._index is not None
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used -= size
+            if self._policy is not None:
+                self._policy.remove(key)
+
+    async def exists(self, key: str) -> bool:
+        with self._op():
+            return key in await self._ready()
+
+    async def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        with self._op():
+            index = await self._ready()
+            return [key in index for key in keys]
+
+    async def ping(self) -> bool:
+        with self._op():
+            await self._ready()
+            try:
+                await asyncio.to_thread(os.stat, self._objects)
+            except OSError as exc:
+                raise Unavailable(f"{self!r}: {exc}") from exc
+            return True
+
+    def usage(self) -> tuple[int, int | None]:
+        return (self._used, self.capacity)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    async def put(self, key: str, data: BufferParts) -> None:
+        parts = as_parts(data)
+        size = sum(p.nbytes for p in parts)
+        if self.capacity is not None and size > self.capacity:
+            raise CapacityError(
+                f"{self!r}: object of {size} bytes is larger than the capacity ({self.capacity})"
+            )
+        with self._op():
+            index = await self._ready()
+            path = self.path_for(key)
+            head = memoryview(rec.pack_head(key, size))
+            async with self._keys.hold(key):
+                reservation = await self._make_room(size - index.get(key, 0))
+                try:
+                    fsync_error = await _in_thread(
+                        lambda stop: self._write(path, [head, *parts], stop),
+                        lambda _: self._commit(key, size),
+                    )
+                    self._commit(key, size)
+                except OSError as exc:
+                    if exc.errno in _DISK_FULL:
+                        raise CapacityError(f"{self!r}: disk full writing {size} bytes") from exc
+                    raise Unavailable(f"{self!r}: writing {key!r}: {exc}") from exc
+                finally:
+                    self._reserved -= reservation
+                if fsync_error is not None:
+                    raise Unavailable(f"{self!r}: fsync of {path}'s directory: {fsync_error}")
+
+    def _write(
+        self, path: str, parts: Sequence[memoryview], stop: threading.Event
+    ) -> OSError | None:
+        """Write a temp file and rename it to ``path``. Returns a failed directory fsync (the
+        object is in place by then, so the caller commits it and reports the error)."""
+        if stop.is_set():
+            raise rec.Stopped
+        self._make_dirs(os.path.dirname(path))
+        tmp = os.path.join(self._tmp, f"{os.path.basename(path)}.{secrets.token_hex(8)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                rec.write_all(fd, parts, stop)
+                if stop.is_set():  # no need to make durable what will not be kept
+                    raise rec.Stopped
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if stop.is_set():  # cancelled: a cancelled put should not take effect
+                raise rec.Stopped
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        if self.fsync_dir:
+            try:
+                _fsync_dir(os.path.dirname(path))
+            except OSError as exc:
+                return exc
+        return None
+
+    def _make_dirs(self, leaf: str) -> None:
+        if os.path.isdir(leaf):
+            return
+        for d in (os.path.dirname(leaf), leaf):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                continue
+            if self.fsync_dir:  # the new directory's own entry must survive a crash too
+                _fsync_dir(os.path.dirname(d))
+
+    def _commit(self, key: str, size: int) -> None:
+        assert self._index is not None
+        self._used += size - self._index.get(key, 0)
+        self._index[key] = size
+        if self._policy is not None:
+            self._policy.insert(key, size)
+
+    async def _make_room(self, grow: int) -> int:
+        """Evict until ``grow`` more bytes fit; returns the bytes reserved for them.
+
+        A put reserves only its growth (new size - old size of its key, which it holds: the
+        rename frees the old size); reservations keep concurrent puts of other keys from
+        overshooting together. Keys with an operation in flight are never victims.
+        """
+        if self._policy is None or self.capacity is None or self._index is None:
+            return 0
+        victims = []
+        while self._used + self._reserved + grow > self.capacity:
+            victim = self._policy.victim(lambda k: not self._keys.busy(k))
+            if victim is None:
+                break
+            victims.append(victim)
+            self._used -= self._index.pop(victim, 0)
+        fits = self._used + self._reserved + grow <= self.capacity
+        reservation = max(grow, 0) if fits else 0
+        self._reserved += reservation
+        if victims:
+            paths = [self.path_for(v) for v in victims]
+            try:
+                async with self._keys.hold(*victims):  # no put of a victim until it is gone
+                    await _in_thread(lambda stop: _unlink_all(paths))
+            except BaseException:
+                self._reserved -= reservation
+                raise
+        if not fits:
+            raise CapacityError(
+                f"{self!r}: no room for {grow} more bytes: the rest is held by operations in flight"
+            )
+        return reservation
+
+    async def delete(self, key: str) -> bool:
+        with self._op():
+            index = await self._ready()
+            async with self._keys.hold(key):
+                if key not in index:
+                    return False
+                self._forget(key)
+                path = self.path_for(key)
+                try:
+                    await _in_thread(lambda stop: _unlink_quiet(path))
+                except OSError as exc:
+                    raise Unavailable(f"{self!r}: deleting {key!r}: {exc}") from exc
+                return True
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        with self._op():
+            index = await self._ready()
+            snapshot = sorted((k, n) for k, n in index.items() if k.startswith(prefix))
+        for key, size in snapshot:
+            yield ObjectInfo(key, size)

@@ -1,0 +1,248 @@
+"""``kvgate bench``: put then get N objects through a Store, next to a same-run baseline.
+
+The baseline is measured in the same process on the same bytes, so the ratio means something
+on a noisy machine: memcpy into a preallocated buffer for memory tiers, raw write+fsync and
+read of the same number of same-sized files for file tiers.
+
+``get`` from the memory tier returns a zero-copy view of the cached object, so its throughput
+is not a copy rate; ``get_copy_gbps`` is get plus a copy into a preallocated destination
+(what an engine does when it loads the chunk into its own KV buffer), the figure to compare
+with memcpy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from gateway.objects import HAS_TORCH
+from gateway.registry import scheme_of
+from gateway.store import Store
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class BenchResult:
+    tiers: list[str]
+    size: int
+    count: int
+    concurrency: int
+    baseline: str
+    put_gbps: float = 0.0
+    get_gbps: float = 0.0
+    get_copy_gbps: float = 0.0
+    baseline_put_gbps: float = 0.0
+    baseline_get_gbps: float = 0.0
+    put_ratio: float = 0.0
+    get_ratio: float = 0.0
+    get_copy_ratio: float = 0.0
+    put_ops_per_s: float = 0.0
+    get_ops_per_s: float = 0.0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    put_p50_ms: float = 0.0
+    put_p99_ms: float = 0.0
+    get_hits: int = 0
+    errors: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _pct(samples: list[float], q: float) -> float:
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+
+def _make_object(size: int, kind: str) -> object:
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size, dtype=np.uint8)
+    if kind == "bytes":
+        return raw.tobytes()
+    if kind == "ndarray" or not HAS_TORCH:
+        return raw
+    import torch
+
+    t = torch.from_numpy(raw)
+    return t.view(torch.bfloat16) if size % 2 == 0 else t
+
+
+async def _run_ops(
+    n: int, concurrency: int, op: Callable[[int], Awaitable[None]], progress: Progress | None
+) -> tuple[float, list[float]]:
+    """Run op(0..n-1) with ``concurrency`` workers; (elapsed seconds, per-op latencies)."""
+    latencies: list[float] = []
+    next_i = 0
+
+    async def worker() -> None:
+        nonlocal next_i
+        while next_i < n:
+            i = next_i
+            next_i += 1
+            t0 = time.perf_counter()
+            await op(i)
+            latencies.append(time.perf_counter() - t0)
+            if progress is not None:
+                progress(1)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+    return time.perf_counter() - start, latencies
+
+
+def memcpy_baseline(size: int, count: int) -> float:
+    """memcpy of one source into preallocated, faulted-in destinations, as the store does.
+
+    The destinations rotate over at least 512 MiB (or all ``count`` of them), so the copy is
+    not served from the CPU cache when the store's copies are not.
+    """
+    src = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    slots = min(count, max(1, (512 << 20) // max(size, 1)))
+    dst = np.ones((slots, size), dtype=np.uint8)  # ones(): every page touched up front
+    start = time.perf_counter()
+    for i in range(count):
+        np.copyto(dst[i % slots], src)
+    return size * count / (time.perf_counter() - start) / 1e9
+
+
+def disk_baseline(directory: Path, size: int, count: int) -> tuple[float, float]:
+    """Raw write+fsync then read (into a preallocated buffer) of ``count`` files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    paths = [directory / f"baseline-{i}" for i in range(count)]
+    start = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = data.data
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    put = size * count / (time.perf_counter() - start) / 1e9
+    buf = np.ones(size, dtype=np.uint8)
+    start = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(buf.data)
+    get = size * count / (time.perf_counter() - start) / 1e9
+    for p in paths:
+        p.unlink()
+    return put, get
+
+
+def _file_root(tiers: Sequence[str]) -> Path | None:
+    for url in tiers:
+        if scheme_of(url) == "file":
+            return Path(urlsplit(url).path)
+    return None
+
+
+async def run_bench(
+    tiers: Sequence[str],
+    *,
+    size: int,
+    count: int,
+    concurrency: int = 1,
+    kind: str = "tensor",
+    capacity: int | None = None,
+    baseline: str = "auto",
+    progress: Progress | None = None,
+) -> BenchResult:
+    """Put ``count`` objects of ``size`` bytes through a Store on ``tiers``, then get them."""
+    root = _file_root(tiers)
+    tier_cfgs: list[dict[str, Any]] = []
+    for url in tiers:
+        cfg: dict[str, Any] = {"url": url, "queue_size": max(64, concurrency * 2)}
+        if scheme_of(url) == "memory":
+            cfg["capacity"] = capacity or int(size * count * 1.1) + (64 << 20)
+        tier_cfgs.append(cfg)
+    staging = max(256 << 20, size * (concurrency + 2) * 2)
+    if baseline == "auto":
+        baseline = "disk" if root is not None else "memcpy"
+
+    obj = _make_object(size, kind)
+    keys = [f"bench/{size}/{i}" for i in range(count)]
+    result = BenchResult(list(tiers), size, count, concurrency, baseline)
+    dest = np.ones(size, dtype=np.uint8)
+    hits = 0
+
+    async with Store({"tiers": tier_cfgs, "staging": staging}) as store:
+
+        async def put(i: int) -> None:
+            await store.put(keys[i], obj)
+
+        put_elapsed, put_lat = await _run_ops(count, concurrency, put, progress)
+        t0 = time.perf_counter()
+        await store.flush()  # puts count as done when the lowest tier has them
+        put_elapsed += time.perf_counter() - t0
+
+        async def get(i: int) -> None:
+            nonlocal hits
+            if await store.get(keys[i]) is not None:
+                hits += 1
+
+        get_elapsed, get_lat = await _run_ops(count, concurrency, get, progress)
+
+        async def get_copy(i: int) -> None:
+            got = await store.get(keys[i])
+            if got is not None:
+                np.copyto(dest, _as_uint8(got))
+
+        copy_elapsed, _ = await _run_ops(count, concurrency, get_copy, progress)
+        result.errors = {n: dict(s.errors) for n, s in store.stats().items() if s.errors}
+
+    total = size * count
+    result.put_gbps = total / put_elapsed / 1e9
+    result.get_gbps = total / get_elapsed / 1e9
+    result.get_copy_gbps = total / copy_elapsed / 1e9
+    result.put_ops_per_s = count / put_elapsed
+    result.get_ops_per_s = count / get_elapsed
+    result.p50_ms, result.p99_ms = _pct(get_lat, 0.5), _pct(get_lat, 0.99)
+    result.put_p50_ms, result.put_p99_ms = _pct(put_lat, 0.5), _pct(put_lat, 0.99)
+    result.get_hits = hits
+
+    if baseline == "memcpy":
+        result.baseline_put_gbps = result.baseline_get_gbps = memcpy_baseline(size, count)
+    elif baseline == "disk":
+        assert root is not None
+        bdir = Path(tempfile.mkdtemp(prefix="kvgate-baseline-", dir=root.parent))
+        try:
+            result.baseline_put_gbps, result.baseline_get_gbps = disk_baseline(bdir, size, count)
+        finally:
+            shutil.rmtree(bdir, ignore_errors=True)
+    if result.baseline_put_gbps:
+        result.put_ratio = result.put_gbps / result.baseline_put_gbps
+        result.get_ratio = result.get_gbps / result.baseline_get_gbps
+        result.get_copy_ratio = result.get_copy_gbps / result.baseline_get_gbps
+    return result
+
+
+def _as_uint8(obj: object) -> np.ndarray[Any, Any]:
+    if isinstance(obj, np.ndarray):
+        return obj.reshape(-1).view(np.uint8)
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return np.frombuffer(obj, dtype=np.uint8)
+    import torch
+
+    assert isinstance(obj, torch.Tensor)
+    return obj.reshape(-1).view(torch.uint8).numpy()
+
+
+def median_of(results: Sequence[BenchResult], attr: str) -> float:
+    return float(statistics.median(float(getattr(r, attr)) for r in results))

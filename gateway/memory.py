@@ -1,0 +1,163 @@
+"""A preallocated host buffer pool: the store's L1 memory and its in-flight write staging.
+
+One arena is allocated once (pinned through torch when CUDA is available, an anonymous mmap
+otherwise, faulted in lazily), so steady-state puts allocate nothing: they copy into a slab.
+Slabs are reference counted. The cache index holds one reference, every queued write holds
+one, and every object handed to a reader holds one through a *lease*: a numpy array over the
+slab whose finalizer releases the reference when the last view of it (torch tensor, numpy
+view, memoryview) is gone. Memory is returned to the free list only at zero references, so an
+object being read is never freed or reused under its reader.
+
+Finalizers can run on any thread (a tensor dropped in a worker thread), hence the lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gateway.objects import HAS_TORCH
+
+ALIGN = 256  # DMA-friendly and enough for every dtype's alignment
+
+
+def _cuda_available() -> bool:
+    if not HAS_TORCH:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+class Slab:
+    """A reference-counted block of the pool. ``view`` is valid while a reference is held."""
+
+    __slots__ = ("nbytes", "offset", "pool", "refs", "size")
+
+    def __init__(self, pool: BufferPool, offset: int, size: int, nbytes: int) -> None:
+        self.pool = pool
+        self.offset = offset
+        self.size = size  # allocated (aligned) size
+        self.nbytes = nbytes  # requested size
+        self.refs = 1
+
+    def view(self, start: int = 0, length: int | None = None) -> memoryview:
+        end = self.nbytes if length is None else start + length
+        return self.pool.arena[self.offset + start : self.offset + end]
+
+    def acquire(self) -> Slab:
+        with self.pool.lock:
+            if self.refs <= 0:
+                raise RuntimeError("acquire of a freed slab")
+            self.refs += 1
+        return self
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+    def lease(self, start: int = 0, length: int | None = None) -> memoryview:
+        """A view that keeps this slab alive for as long as anything derived from it lives."""
+        end = self.nbytes if length is None else start + length
+        self.acquire()
+        holder: np.ndarray[Any, Any] = self.pool.array[self.offset + start : self.offset + end]
+        # Slicing an ndarray that owns nothing would let numpy collapse views to the arena, so
+        # the holder is a fresh array object; memoryview(holder) keeps it alive, and torch or
+        # numpy objects built on that memoryview keep the memoryview alive.
+        holder = holder.view()
+        weakref.finalize(holder, self.release)
+        return holder.data
+
+
+class BufferPool:
+    """Byte-capacity arena with first-fit allocation and coalescing free list."""
+
+    def __init__(self, capacity: int, *, pin: bool | None = None, prefault: bool = False) -> None:
+        """``prefault`` maps the arena populated (seconds per GiB: build it off the loop)."""
+        if capacity < 0:
+            raise ValueError("pool capacity must be >= 0")
+        self.capacity = capacity // ALIGN * ALIGN
+        self.pinned = _cuda_available() if pin is None else pin
+        self.lock = threading.Lock()
+        self._keepalive: object
+        if self.pinned and self.capacity:
+            import torch
+
+            t = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+            self._keepalive = t
+            self.array: np.ndarray[Any, Any] = t.numpy()
+        else:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            if prefault:
+                flags |= mmap.MAP_POPULATE
+            buf = mmap.mmap(-1, max(self.capacity, ALIGN), flags=flags)
+            self._keepalive = buf
+            self.array = np.frombuffer(buf, dtype=np.uint8)[: self.capacity]
+        self.arena = self.array.data
+        self._starts: list[int] = [0] if self.capacity else []
+        self._sizes: dict[int, int] = {0: self.capacity} if self.capacity else {}
+        self.used = 0
+        self.on_free: list[Callable[[], None]] = []
+
+    def alloc(self, nbytes: int) -> Slab | None:
+        """A slab of ``nbytes`` (one reference, the caller's), or None when nothing fits."""
+        if nbytes == 0:
+            return Slab(self, 0, 0, 0)
+        size = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        with self.lock:
+            for start in self._starts:
+                free = self._sizes[start]
+                if free >= size:
+                    break
+            else:
+                return None
+            i = bisect.bisect_left(self._starts, start)
+            del self._starts[i]
+            del self._sizes[start]
+            if free > size:
+                rest = start + size
+                self._starts.insert(i, rest)
+                self._sizes[rest] = free - size
+            self.used += size
+        return Slab(self, start, size, nbytes)
+
+    def release(self, slab: Slab) -> None:
+        with self.lock:
+            slab.refs -= 1
+            if slab.refs > 0:
+                return
+            if slab.refs < 0:
+                raise RuntimeError("slab released more often than acquired")
+            if slab.size:
+                self._free(slab.offset, slab.size)
+            callbacks = list(self.on_free)
+        for cb in callbacks:
+            cb()
+
+    def _free(self, start: int, size: int) -> None:
+        self.used -= size
+        i = bisect.bisect_left(self._starts, start)
+        if i > 0:  # merge with the block before
+            prev = self._starts[i - 1]
+            if prev + self._sizes[prev] == start:
+                start, size = prev, self._sizes.pop(prev) + size
+                del self._starts[i - 1]
+                i -= 1
+        if i < len(self._starts) and start + size == self._starts[i]:  # and the block after
+            size += self._sizes.pop(self._starts[i])
+            del self._starts[i]
+        self._starts.insert(i, start)
+        self._sizes[start] = size
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def largest_free(self) -> int:
+        with self.lock:
+            return max(self._sizes.values(), default=0)

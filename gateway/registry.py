@@ -1,0 +1,110 @@
+"""Find connectors and codecs through entry points; import them only when used.
+
+Connectors register under ``kvgate.connectors`` (name = URL scheme), codecs under
+``kvgate.serde`` (name = codec name). A third-party distribution adds one by declaring an entry
+point; no core change. When importing a plugin fails for a missing module, the error says which
+extra to install (``pip install kvgate[redis]``), read from the providing distribution's own
+extras so plugins get the right hint too.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+from urllib.parse import urlsplit
+
+from gateway.codec import Codec
+from gateway.connector import Connector
+from gateway.errors import MissingDependency, NotFound
+
+CONNECTOR_GROUP = "kvgate.connectors"
+CODEC_GROUP = "kvgate.serde"
+
+
+@dataclass(frozen=True, slots=True)
+class PluginStatus:
+    """One registered plugin as ``kvgate connectors`` shows it."""
+
+    name: str
+    target: str
+    distribution: str
+    usable: bool
+    problem: str = ""
+
+
+@functools.cache
+def _entry_points(group: str) -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def _install_hint(ep: EntryPoint, missing: str | None) -> str:
+    dist = ep.dist.name if ep.dist is not None else "kvgate"
+    extras = (ep.dist.metadata.get_all("Provides-Extra") or []) if ep.dist is not None else []
+    extra = ep.name if ep.name in extras else None
+    what = f"the module {missing!r}" if missing else "a dependency"
+    if extra:
+        return f"{what} is missing: pip install '{dist}[{extra}]'"
+    return f"{what} is missing: install the dependencies of {dist}"
+
+
+def _load(group: str, name: str, kind: str) -> Any:
+    eps = _entry_points(group)
+    ep = eps.get(name)
+    if ep is None:
+        known = ", ".join(sorted(eps)) or "none"
+        raise NotFound(f"no {kind} named {name!r} is registered (known: {known})")
+    try:
+        return ep.load()
+    except ModuleNotFoundError as exc:
+        raise MissingDependency(f"{kind} {name!r}: {_install_hint(ep, exc.name)}") from exc
+
+
+def connector_class(scheme: str) -> Any:
+    return _load(CONNECTOR_GROUP, scheme.lower(), "connector")
+
+
+def codec_class(name: str) -> Any:
+    return _load(CODEC_GROUP, name.lower(), "codec")
+
+
+def scheme_of(url: str) -> str:
+    scheme = urlsplit(url).scheme
+    if not scheme:
+        raise NotFound(f"{url!r} has no scheme (expected e.g. file:///path or redis://host)")
+    return scheme.lower()
+
+
+def connect(url: str, **options: Any) -> Connector:
+    """Build the connector for ``url`` with its typed options."""
+    conn: Connector = connector_class(scheme_of(url)).from_url(url, **options)
+    return conn
+
+
+def load_codec(name: str, **options: Any) -> Codec:
+    codec: Codec = codec_class(name)(**options)
+    return codec
+
+
+def _status(group: str, kind: str) -> list[PluginStatus]:
+    out = []
+    for name, ep in sorted(_entry_points(group).items()):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        try:
+            _load(group, name, kind)
+        except MissingDependency as exc:
+            out.append(PluginStatus(name, ep.value, dist, False, str(exc)))
+        except Exception as exc:  # a broken plugin must not hide the others
+            out.append(PluginStatus(name, ep.value, dist, False, f"{type(exc).__name__}: {exc}"))
+        else:
+            out.append(PluginStatus(name, ep.value, dist, True))
+    return out
+
+
+def connector_status() -> list[PluginStatus]:
+    return _status(CONNECTOR_GROUP, "connector")
+
+
+def codec_status() -> list[PluginStatus]:
+    return _status(CODEC_GROUP, "codec")

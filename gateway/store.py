@@ -1,0 +1,459 @@
+"""Store: put/get/lookup/prefetch/flush across the ordered tier list.
+
+- put: copy the object once into a pool slab, index it in L1 (when the first tier is a bare
+  ``memory://``), queue frame writes to every lower tier, return. When the pool cannot hold the
+  object (larger than the pool, or full of in-flight data past the wait), the put writes the
+  lower tiers itself from the caller's memory instead: memory stays bounded either way.
+- get: L1, then writes still in flight, then each lower tier in order; the first hit is
+  verified, decoded into a slab and promoted into L1. Concurrent gets of one key share one
+  fetch. A failing tier is a miss for the caller and a counted error for the operator.
+- Objects returned by ``get`` share memory with the cache (no copy): treat them as read-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+from gateway.config import StoreConfig, TierConfig, load_config
+from gateway.connector import Connector
+from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
+from gateway.jobs import TierWriter, WriteJob
+from gateway.keys import Key, normalize_key
+from gateway.layers import build_stack
+from gateway.memory import BufferPool, Slab
+from gateway.objects import ObjectData, to_object, to_object_data
+from gateway.policies import make_policy
+from gateway.registry import connect, load_codec, scheme_of
+from gateway.tiers import OFFLOAD_BYTES, ConnectorTier, Found, MemoryTier, offload
+from gateway.types import MemoryFormat, TierStats
+
+log = logging.getLogger("kvgate.store")
+
+DEFAULT_L1_CAPACITY = 2 << 30
+ALLOC_WAIT_POLL = 0.05  # seconds between re-tries while waiting for pool space
+
+KeyLike = Key | str
+ConfigSource = StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+class Store:
+    """The tiered KV-cache store. Cheap to build; opened by ``async with`` or ``open()``."""
+
+    def __init__(
+        self, config: ConfigSource = None, *, connectors: Mapping[int, Connector] | None = None
+    ) -> None:
+        """``connectors`` replaces the connector of tier ``i`` (e.g. one a test already built)."""
+        self.config = load_config(config)
+        self._given = dict(connectors or {})
+        self.l1: MemoryTier | None = None
+        self.tiers: list[ConnectorTier] = []
+        self.writers: list[TierWriter] = []
+        self.pool: BufferPool | None = None
+        self._fetching: dict[str, asyncio.Future[Found | None]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._space = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._opened = False
+        self._closed = False
+        self._open_lock = asyncio.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        async with self._open_lock:
+            if self._opened:
+                return
+            if self._closed:
+                raise Unavailable("store is closed")
+            await self._build()
+            self._opened = True
+
+    async def _build(self) -> None:
+        cfg = self.config
+        tiers = list(cfg.tiers)
+        names = _tier_names(tiers)
+        self._loop = asyncio.get_running_loop()
+        first_is_l1 = bool(tiers) and is_l1_url(tiers[0].url)
+        if first_is_l1 and 0 not in self._given:
+            l1_cfg = tiers[0]
+            if l1_cfg.options:
+                raise ConfigError("the memory:// L1 tier takes no connector options")
+            capacity = l1_cfg.capacity if l1_cfg.capacity is not None else DEFAULT_L1_CAPACITY
+            self.pool = await self._new_pool(capacity)
+            policy = make_policy(l1_cfg.eviction, capacity)
+            self.l1 = MemoryTier(names[0], self.pool, policy)
+            lower = list(enumerate(tiers))[1:]
+        else:
+            self.pool = await self._new_pool(cfg.staging)
+            lower = list(enumerate(tiers))
+        self.pool.on_free.append(self._on_pool_free)
+        try:
+            for i, tcfg in lower:
+                tier = self._build_tier(i, names[i], tcfg)
+                self.tiers.append(tier)
+                writer = TierWriter(
+                    tier,
+                    queue_size=tcfg.queue_size,
+                    workers=tcfg.workers,
+                    backpressure=tcfg.backpressure,
+                )
+                writer.start()
+                self.writers.append(writer)
+        except BaseException:
+            await self._close_tiers()
+            raise
+
+    async def _new_pool(self, capacity: int) -> BufferPool:
+        cfg = self.config
+        if cfg.prefault:  # populating takes ~1 s per GiB: not on the event loop
+            return await asyncio.to_thread(BufferPool, capacity, pin=cfg.pin_memory, prefault=True)
+        return BufferPool(capacity, pin=cfg.pin_memory)
+
+    def _build_tier(self, index: int, name: str, tcfg: TierConfig) -> ConnectorTier:
+        conn = self._given.get(index)
+        if conn is None:
+            options = dict(tcfg.options)
+            if tcfg.capacity is not None:
+                options["capacity"] = tcfg.capacity
+                options["eviction"] = tcfg.eviction
+            conn = connect(tcfg.url, **options)
+        stats = TierStats(name)
+        stacked = build_stack(
+            conn,
+            timeout=tcfg.timeout,
+            retry=(tcfg.retry.attempts, tcfg.retry.backoff_base, tcfg.retry.backoff_max),
+            breaker=(tcfg.breaker.failures, tcfg.breaker.reset_after),
+            concurrency=tcfg.concurrency,
+            stats=stats,
+        )
+        codec = load_codec(tcfg.codec, **tcfg.codec_options)
+        return ConnectorTier(name, stacked, codec, stats, ttl=tcfg.ttl)
+
+    async def flush(self) -> None:
+        """Wait until every write accepted so far has reached (or failed at) its tier."""
+        await asyncio.gather(*(w.drain() for w in self.writers))
+
+    async def close(self) -> None:
+        """Drain every queue, stop workers and background work, close connectors."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._opened:
+            return
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(w.close() for w in self.writers), return_exceptions=True)
+        await self._close_tiers()
+
+    async def _close_tiers(self) -> None:
+        for tier in self.tiers:
+            try:
+                await tier.connector.close()
+            except Exception as exc:
+                log.warning("tier %s: close failed: %s", tier.name, exc)
+
+    async def _ready(self) -> None:
+        if self._closed:
+            raise Unavailable("store is closed")
+        if not self._opened:
+            await self.open()
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def _on_pool_free(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            # RuntimeError: the loop closed between the check and the call.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._space.set)
+
+    def _alloc_now(self, nbytes: int) -> Slab | None:
+        if self.l1 is not None:
+            return self.l1.alloc(nbytes)
+        assert self.pool is not None
+        return self.pool.alloc(nbytes)
+
+    def _writes_in_flight(self) -> bool:
+        return any(w.in_flight for w in self.writers)
+
+    async def _alloc(self, nbytes: int) -> Slab | None:
+        """A slab, waiting (bounded) for in-flight writes to free space when the pool is full."""
+        assert self.pool is not None
+        if nbytes > self.pool.capacity:
+            return None
+        waits = all(w.backpressure == "wait" for w in self.writers)
+        deadline = asyncio.get_running_loop().time() + max(
+            (t.timeout for t in self.config.tiers), default=5.0
+        )
+        while True:
+            slab = self._alloc_now(nbytes)
+            if slab is not None or not waits or not self._writes_in_flight():
+                return slab
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return None
+            self._space.clear()
+            try:
+                async with asyncio.timeout(min(remaining, ALLOC_WAIT_POLL)):
+                    await self._space.wait()
+            except TimeoutError:
+                pass
+
+    # -- put -------------------------------------------------------------------------------
+
+    async def put(
+        self,
+        key: KeyLike,
+        obj: object,
+        *,
+        fmt: int = MemoryFormat.UNDEFINED,
+        ttl: float | None = None,
+    ) -> None:
+        """Store ``obj`` under ``key`` in every tier (lower tiers asynchronously)."""
+        k = normalize_key(key)
+        data = to_object_data(obj, fmt)
+        await self._ready()
+        nbytes = data.meta.nbytes
+        slab = await self._alloc(nbytes)
+        if slab is None:
+            await self._put_direct(k, data, ttl)
+            return
+        try:
+            await offload(nbytes, data.copy_into, slab.view())
+        except BaseException:
+            slab.release()
+            raise
+        for writer in self.writers:
+            await writer.submit(WriteJob(k, data.meta, slab.acquire(), ttl))
+        if self.l1 is not None:
+            self.l1.insert(k, data.meta, slab)  # the index takes the put's reference
+        else:
+            slab.release()
+
+    async def _put_direct(self, key: str, data: ObjectData, ttl: float | None) -> None:
+        """Write every lower tier from the caller's memory (object too big for the pool)."""
+        if not self.tiers:
+            assert self.pool is not None
+            raise CapacityError(
+                f"object of {data.meta.nbytes} bytes does not fit the memory tier "
+                f"({self.pool.capacity} bytes) and there is no lower tier"
+            )
+        if self.l1 is not None:
+            self.l1.remove(key)  # an older version must not shadow this one
+        for writer in self.writers:
+            await writer.barrier(key)
+        results = await asyncio.gather(
+            *(tier.write(key, data, ttl) for tier in self.tiers), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for tier, r in zip(self.tiers, results, strict=True):
+            if isinstance(r, BaseException) and not isinstance(r, GatewayError):
+                tier.stats.count_error("internal")
+        if len(errors) == len(results):
+            raise (
+                errors[0]
+                if isinstance(errors[0], GatewayError)
+                else Unavailable(f"no tier accepted the object: {errors[0]!r}")
+            )
+
+    async def put_many(self, items: Iterable[tuple[KeyLike, object]]) -> None:
+        for key, obj in items:
+            await self.put(key, obj)
+
+    # -- get -------------------------------------------------------------------------------
+
+    async def get(self, key: KeyLike) -> object | None:
+        """The object stored under ``key`` (same kind as put), or None on a miss."""
+        k = normalize_key(key)
+        await self._ready()
+        if self.l1 is not None:
+            entry = self.l1.lookup(k)
+            if entry is not None:
+                meta = entry.meta
+                if meta.kind in ("bytes", "bytearray"):
+                    return to_object(meta, entry.slab.view(entry.offset, meta.nbytes))
+                return to_object(meta, entry.slab.lease(entry.offset, meta.nbytes))
+        found = await self._fetch_shared(k)
+        return None if found is None else found.to_object()
+
+    async def get_many(self, keys: Sequence[KeyLike]) -> list[object | None]:
+        return list(await asyncio.gather(*(self.get(k) for k in keys)))
+
+    async def _fetch_shared(self, key: str) -> Found | None:
+        fut = self._fetching.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._fetch(key))
+            self._fetching[key] = fut
+            fut.add_done_callback(lambda _f: self._fetching.pop(key, None))
+        return await asyncio.shield(fut)
+
+    async def _fetch(self, key: str) -> Found | None:
+        for writer in self.writers:  # read your own writes while they are still queued
+            job = writer.pending(key)
+            if job is not None:
+                queued = Found(job.meta, slab=job.slab.acquire())
+                self._promote(key, queued)
+                return queued
+        for tier in self.tiers:
+            try:
+                found = await tier.read(key, self._alloc_now)
+            except GatewayError as exc:  # counted by the metrics layer; a miss for the caller
+                log.debug("tier %s: get failed (%s): %s", tier.name, exc.kind, exc)
+                continue
+            except Exception:
+                tier.stats.count_error("internal")
+                log.exception("tier %s: get failed", tier.name)
+                continue
+            if found is not None:
+                self._promote(key, found)
+                return found
+        return None
+
+    def _promote(self, key: str, found: Found) -> None:
+        if self.l1 is not None and found.slab is not None and key not in self.l1:
+            self.l1.insert(key, found.meta, found.slab.acquire(), found.offset)
+
+    # -- contains / delete / lookup / prefetch -------------------------------------------
+
+    async def contains(self, key: KeyLike) -> bool:
+        k = normalize_key(key)
+        return (await self.lookup([k])) == 1
+
+    async def delete(self, key: KeyLike) -> bool:
+        """Remove ``key`` from every tier; True when any tier held it."""
+        k = normalize_key(key)
+        await self._ready()
+        removed = self.l1.remove(k) if self.l1 is not None else False
+        for writer in self.writers:
+            removed = (writer.pending(k) is not None) or removed
+            await writer.barrier(k)
+        for tier in self.tiers:
+            try:
+                removed = await tier.delete(k) or removed
+            except GatewayError as exc:
+                log.warning("tier %s: delete failed (%s): %s", tier.name, exc.kind, exc)
+        return removed
+
+    async def lookup(self, keys: Sequence[KeyLike]) -> int:
+        """How many leading ``keys`` are stored, continuing the prefix from tier to tier."""
+        return sum(n for _, n in await self.lookup_detail(keys))
+
+    async def lookup_detail(self, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
+        """Per tier, in order: how many further leading keys that tier holds."""
+        ks = [normalize_key(k) for k in keys]
+        await self._ready()
+        detail: list[tuple[str, int]] = []
+        n = 0
+        if self.l1 is not None:
+            while n < len(ks) and (ks[n] in self.l1 or self._pending(ks[n])):
+                n += 1
+            detail.append((self.l1.name, n))
+        else:
+            while n < len(ks) and self._pending(ks[n]):
+                n += 1
+        for tier in self.tiers:
+            if n == len(ks):
+                detail.append((tier.name, 0))
+                continue
+            try:
+                flags = await tier.exists_many(ks[n:])
+            except GatewayError as exc:
+                log.debug("tier %s: exists failed (%s): %s", tier.name, exc.kind, exc)
+                flags = []
+            run = 0
+            for flag in flags:
+                if not flag:
+                    break
+                run += 1
+            detail.append((tier.name, run))
+            n += run
+        return detail
+
+    def _pending(self, key: str) -> bool:
+        return any(w.pending(key) is not None for w in self.writers)
+
+    async def prefetch(
+        self, keys: Sequence[KeyLike], *, deadline: float | None = None
+    ) -> asyncio.Task[int]:
+        """Promote ``keys`` into L1 in the background; the task gives how many were found."""
+        ks = [normalize_key(k) for k in keys]
+        await self._ready()
+        limit = self.config.prefetch_deadline if deadline is None else deadline
+
+        async def run() -> int:
+            sem = asyncio.Semaphore(8)
+            found = 0
+
+            async def one(k: str) -> None:
+                nonlocal found
+                async with sem:
+                    in_l1 = self.l1 is not None and k in self.l1
+                    if in_l1 or await self._fetch_shared(k) is not None:
+                        found += 1
+
+            try:
+                async with asyncio.timeout(limit):
+                    await asyncio.gather(*(one(k) for k in ks))
+            except TimeoutError:
+                log.debug("prefetch of %d keys hit its %.1fs deadline", len(ks), limit)
+            return found
+
+        task = asyncio.create_task(run(), name="kvgate-prefetch")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- introspection -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, TierStats]:
+        out: dict[str, TierStats] = {}
+        if self.l1 is not None:
+            out[self.l1.name] = self.l1.stats
+        for tier in self.tiers:
+            out[tier.name] = tier.stats
+        return out
+
+    def tier_names(self) -> list[str]:
+        return [*([self.l1.name] if self.l1 else []), *(t.name for t in self.tiers)]
+
+
+def is_l1_url(url: str) -> bool:
+    """A bare ``memory://`` in first place is the in-process L1 of decoded objects.
+
+    A named ``memory://space`` is an ordinary connector tier holding frames (tests and
+    benchmarks use it as a stand-in lower tier).
+    """
+    parts = urlsplit(url)
+    return parts.scheme.lower() == "memory" and not parts.netloc and parts.path in ("", "/")
+
+
+def _tier_names(tiers: Sequence[TierConfig]) -> list[str]:
+    schemes = [scheme_of(t.url) for t in tiers]
+    names = []
+    for i, (t, scheme) in enumerate(zip(tiers, schemes, strict=True)):
+        if t.name:
+            names.append(t.name)
+        elif schemes.count(scheme) > 1:
+            names.append(f"{scheme}{i}")
+        else:
+            names.append(scheme)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tier names must be unique, got {names}")
+    return names
+
+
+__all__ = ["OFFLOAD_BYTES", "Store"]

@@ -1,0 +1,292 @@
+"""Tiers: the in-process L1 (decoded objects in the buffer pool) and connector-backed tiers.
+
+A ``ConnectorTier`` is a connector wrapped in its layer stack plus a codec: it turns objects
+into frames on write and verified frames back into objects on read. Corrupt or expired frames
+are misses (counted, and deleted from the backend); backend failures propagate to the store,
+which counts them and treats them as misses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gateway.codec import Codec
+from gateway.connector import Connector, as_parts
+from gateway.errors import CapacityError, CorruptObject, GatewayError
+from gateway.frame import FrameHeader, decode_frame, encode_header
+from gateway.memory import BufferPool, Slab
+from gateway.objects import ObjectData, ObjectMeta, check_meta, to_object
+from gateway.policies import EvictionPolicy
+from gateway.registry import load_codec
+from gateway.types import Buffer, TierStats
+
+log = logging.getLogger("kvgate.tiers")
+
+OFFLOAD_BYTES = 4 << 20  # CPU work on larger buffers runs in a thread, off the event loop
+T = TypeVar("T")
+
+
+async def offload(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` inline for small inputs, in a worker thread for large ones."""
+    if nbytes >= OFFLOAD_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+class Found:
+    """An object fetched from a tier: metadata and its bytes, in a pool slab when possible.
+
+    A Found owns one reference to its slab, released when the Found is garbage collected;
+    every object handed to a caller takes its own lease.
+    """
+
+    __slots__ = ("__weakref__", "buffer", "meta", "offset", "slab")
+
+    def __init__(
+        self,
+        meta: ObjectMeta,
+        *,
+        slab: Slab | None = None,
+        offset: int = 0,
+        buffer: Buffer | None = None,
+    ) -> None:
+        self.meta = meta
+        self.slab = slab
+        self.offset = offset
+        self.buffer = buffer
+        if slab is not None:
+            weakref.finalize(self, slab.release)
+
+    def to_object(self) -> object:
+        if self.slab is None:
+            assert self.buffer is not None
+            return to_object(self.meta, self.buffer)
+        if self.meta.kind in ("bytes", "bytearray"):  # copied out: no lease needed
+            return to_object(self.meta, self.slab.view(self.offset, self.meta.nbytes))
+        return to_object(self.meta, self.slab.lease(self.offset, self.meta.nbytes))
+
+
+@dataclass(slots=True)
+class L1Entry:
+    meta: ObjectMeta
+    slab: Slab  # the index's reference
+    offset: int
+
+
+class MemoryTier:
+    """L1: decoded objects in the buffer pool, indexed by key, evicted by policy."""
+
+    def __init__(self, name: str, pool: BufferPool, policy: EvictionPolicy[str]) -> None:
+        self.name = name
+        self.pool = pool
+        self.policy = policy
+        self.index: dict[str, L1Entry] = {}
+        self.stats = TierStats(name)
+
+    def lookup(self, key: str) -> L1Entry | None:
+        entry = self.index.get(key)
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        self.policy.touch(key)
+        self.stats.hits += 1
+        self.stats.bytes_read += entry.meta.nbytes
+        return entry
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index
+
+    def insert(self, key: str, meta: ObjectMeta, slab: Slab, offset: int = 0) -> None:
+        """Index ``slab`` under ``key``; takes over one reference of the caller's."""
+        self.remove(key)
+        self.index[key] = L1Entry(meta, slab, offset)
+        self.policy.insert(key, slab.size)
+        self.stats.puts += 1
+        self.stats.bytes_written += meta.nbytes
+
+    def remove(self, key: str) -> bool:
+        entry = self.index.pop(key, None)
+        if entry is None:
+            return False
+        self.policy.remove(key)
+        entry.slab.release()
+        return True
+
+    def _evictable(self, key: str) -> bool:
+        # Only the index holds it: evicting frees memory now. Leased or queued slabs are
+        # skipped because evicting them would free nothing until their holders finish.
+        return self.index[key].slab.refs == 1
+
+    def alloc(self, nbytes: int) -> Slab | None:
+        """A slab for ``nbytes``, evicting unreferenced entries by policy to make room."""
+        slab = self.pool.alloc(nbytes)
+        while slab is None:
+            victim = self.policy.victim(self._evictable)
+            if victim is None:
+                return None
+            self.index.pop(victim).slab.release()
+            self.stats.evictions += 1
+            slab = self.pool.alloc(nbytes)
+        return slab
+
+    def usage(self) -> tuple[int, int]:
+        return self.pool.used, self.pool.capacity
+
+
+class ConnectorTier:
+    """A connector (already wrapped in its layers) with a codec and a TTL."""
+
+    def __init__(
+        self,
+        name: str,
+        connector: Connector,
+        codec: Codec,
+        stats: TierStats,
+        *,
+        ttl: float | None = None,
+    ) -> None:
+        self.name = name
+        self.connector = connector
+        self.codec = codec
+        self.stats = stats
+        self.ttl = ttl
+        self._codecs: dict[str, Codec] = {codec.name: codec}
+
+    def _codec_for(self, header: FrameHeader) -> Codec:
+        # A store reads every object whatever codec wrote it: the frame names the codec.
+        codec = self._codecs.get(header.codec)
+        if codec is None:
+            codec = self._codecs[header.codec] = load_codec(header.codec)
+        return codec
+
+    async def write(self, key: str, obj: ObjectData, ttl: float | None = None) -> None:
+        meta = obj.meta
+        limit = self.connector.capabilities.max_object_size
+        if self.codec.name == "raw":
+            payload: Any = obj.host()
+            params: dict[str, Any] = {}
+        else:
+            payload, params = await offload(meta.nbytes, self.codec.encode, obj)
+        parts = as_parts(payload)
+        size = sum(p.nbytes for p in parts)
+        if limit is not None and size > limit:
+            raise CapacityError(f"{size} bytes exceed {self.name}'s object limit of {limit}")
+        head, _ = await offload(
+            size,
+            _header_for,
+            self.codec.name,
+            meta,
+            parts,
+            params,
+            self.ttl if ttl is None else ttl,
+        )
+        await self.connector.put(key, [head, *parts])
+
+    async def read(self, key: str, alloc: Callable[[int], Slab | None]) -> Found | None:
+        """The verified, decoded object, or None (miss, corrupt or expired: counted)."""
+        try:
+            return await self._read(key, alloc)
+        except CorruptObject as exc:
+            self.stats.corrupt += 1
+            log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
+            await self._discard(key)
+            return None
+
+    async def _read(self, key: str, alloc: Callable[[int], Slab | None]) -> Found | None:
+        frame_slab: list[Slab] = []
+
+        def alloc_frame(n: int) -> memoryview | None:
+            slab = alloc(n)
+            if slab is None:
+                return None
+            frame_slab.append(slab)
+            return slab.view()
+
+        try:
+            if self.connector.capabilities.zero_copy:
+                blob: Buffer | None = await self.connector.get_into(key, alloc_frame)
+            else:
+                blob = await self.connector.get(key)
+            if blob is None:
+                return None
+            size = memoryview(blob).nbytes
+            header, payload = await offload(size, decode_frame, blob)
+            meta = _meta_of(header)
+            if header.expired():
+                await self._discard(key)
+                return None
+            if frame_slab and header.codec == "raw":
+                # get_into read the frame into the slab alloc gave it (the contract says it
+                # must when alloc gives one): the payload is used in place, no copy.
+                slab = frame_slab.pop()
+                return Found(meta, slab=slab, offset=size - payload.nbytes)
+            codec = self._codec_for(header)
+            out_slab = alloc(header.raw_len)
+            out = out_slab.view() if out_slab is not None else None
+            try:
+                raw = await offload(header.raw_len, codec.decode, payload, header, out)
+            except BaseException:
+                if out_slab is not None:
+                    out_slab.release()
+                raise
+            if out_slab is not None and out is not None and _same_buffer(raw, out):
+                return Found(meta, slab=out_slab, offset=0)
+            if out_slab is not None:
+                out_slab.release()
+            if memoryview(raw).nbytes != header.raw_len:
+                raise CorruptObject(f"codec {header.codec} returned the wrong length")
+            return Found(meta, buffer=raw)
+        finally:
+            for slab in frame_slab:
+                slab.release()
+
+    async def _discard(self, key: str) -> None:
+        try:
+            await self.connector.delete(key)
+        except (GatewayError, OSError) as exc:
+            log.debug("tier %s: could not delete a bad object: %s", self.name, exc)
+
+    async def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return await self.connector.exists_many(keys)
+
+    async def delete(self, key: str) -> bool:
+        return await self.connector.delete(key)
+
+
+def _same_buffer(a: Buffer, b: memoryview) -> bool:
+    return a is b or (isinstance(a, memoryview) and a.obj is b.obj and a.nbytes == b.nbytes)
+
+
+def _header_for(
+    codec: str,
+    meta: ObjectMeta,
+    parts: list[memoryview],
+    params: dict[str, Any],
+    ttl: float | None,
+) -> tuple[bytes, FrameHeader]:
+    return encode_header(
+        codec=codec,
+        kind=meta.kind,
+        dtype=meta.dtype,
+        shape=meta.shape,
+        raw_len=meta.nbytes,
+        payload=parts,
+        fmt=meta.fmt,
+        params=params,
+        ttl=ttl,
+    )
+
+
+def _meta_of(header: FrameHeader) -> ObjectMeta:
+    try:
+        check_meta(header.kind, header.dtype, tuple(header.shape), header.raw_len)
+    except (ValueError, GatewayError) as exc:
+        raise CorruptObject(f"frame header does not describe its object: {exc}") from None
+    if header.kind not in ("tensor", "ndarray", "bytes", "bytearray", "memoryview"):
+        raise CorruptObject(f"unknown object kind {header.kind!r}")
+    return ObjectMeta(header.kind, header.dtype, tuple(header.shape), header.raw_len, header.fmt)

@@ -1,0 +1,49 @@
+"""``zstd``: lossless Zstandard compression of the object's bytes.
+
+The compressed payload records the content size; decoding checks it against the frame's
+``raw_len`` and refuses to produce more, so a corrupted payload cannot balloon memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.errors import ConfigError, CorruptObject, MissingDependency
+from gateway.frame import FrameInfo
+from gateway.objects import ObjectData
+from gateway.types import Buffer, BufferParts, ParamValue
+
+try:
+    import zstandard
+except ModuleNotFoundError as exc:  # pragma: no cover - the test extra installs it
+    raise MissingDependency("codec 'zstd' needs zstandard: pip install 'kvgate[zstd]'") from exc
+
+
+class ZstdCodec:
+    name = "zstd"
+    lossless = True
+
+    def __init__(self, level: int = 3, threads: int = 0, **options: Any) -> None:
+        if options:
+            raise ConfigError(f"codec zstd: unknown options {', '.join(sorted(options))}")
+        if not -7 <= level <= 22:
+            raise ConfigError(f"codec zstd: level must be in -7..22, got {level}")
+        self.level = level
+        self.threads = threads
+
+    def encode(self, obj: ObjectData) -> tuple[BufferParts, dict[str, ParamValue]]:
+        cctx = zstandard.ZstdCompressor(level=self.level, threads=self.threads)
+        return cctx.compress(obj.host()), {"level": self.level}
+
+    def decode(self, payload: memoryview, info: FrameInfo, out: memoryview | None) -> Buffer:
+        dctx = zstandard.ZstdDecompressor()
+        try:
+            data = dctx.decompress(payload, max_output_size=info.raw_len)
+        except zstandard.ZstdError as exc:
+            raise CorruptObject(f"zstd payload does not decompress: {exc}") from None
+        if len(data) != info.raw_len:
+            raise CorruptObject(f"zstd payload gave {len(data)} bytes, expected {info.raw_len}")
+        if out is None:
+            return data
+        out[:] = data
+        return out

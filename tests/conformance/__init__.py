@@ -1,0 +1,1 @@
+"""Conformance runners: one per connector (a package so their basenames may repeat)."""

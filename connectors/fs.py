@@ -32,10 +32,12 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, ClassVar, Self, TypeVar
 from urllib.parse import unquote
@@ -103,8 +105,8 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
 
 
-def _unlink_all(paths: Sequence[str]) -> None:
-    for path in paths:
+def _unlink_all(paths: Sequence[str], stop: threading.Event) -> None:
+    for path in paths:  # short work: no need to stop halfway
         _unlink_quiet(path)
 
 
@@ -113,15 +115,18 @@ def _lock_root(root: str) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # The holder's pid, for a human wondering who has the directory.
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
     except BlockingIOError:
         os.close(fd)
         raise ConfigError(
             f"directory {root} is in use by another file:// connector (in this or another "
             "process); close it first"
         ) from None
-    # The holder's pid, for a human wondering who has the directory.
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -154,14 +159,18 @@ class FileConnector(BaseConnector):
         try:
             for d in (self._objects, self._tmp, self._quarantine):
                 os.makedirs(d, exist_ok=True)
-            self._lock_fd: int | None = _lock_root(self.root)
+            lock_fd = _lock_root(self.root)
         except OSError as exc:
             raise ConfigError(f"cannot use {self.root} for file://: {exc}") from exc
+        # Closing the fd drops the lock: on close(), or when a connector nobody closed is
+        # garbage collected, so that a forgotten instance does not lock the root for good.
+        self._unlock = weakref.finalize(self, os.close, lock_fd)
         self._index: dict[str, int] | None = None  # key -> object bytes; None until scanned
         self._opening = asyncio.Lock()
         self._keys = KeyLocks()
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes promised to puts in flight (see _make_room)
+        self._room = asyncio.Event()  # set when a reservation ends
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -239,6 +248,8 @@ class FileConnector(BaseConnector):
         for top in os.scandir(self._objects):
             for sub in os.scandir(top.path) if top.is_dir() else ():
                 for entry in os.scandir(sub.path) if sub.is_dir() else ():
+                    if not entry.is_file(follow_symlinks=False):
+                        continue  # not something a put makes; never followed out of the root
                     record = self._check_file(entry.path)
                     if isinstance(record, rec.Record):
                         found.append(record)
@@ -275,9 +286,7 @@ class FileConnector(BaseConnector):
         """Wait for operations in flight, then release the directory lock. Idempotent."""
         self._closed = True
         await self._idle.wait()
-        if self._lock_fd is not None:
-            fd, self._lock_fd = self._lock_fd, None
-            os.close(fd)  # drops the flock
+        self._unlock()  # runs once; later calls do nothing
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -346,7 +355,10 @@ class FileConnector(BaseConnector):
         """
         path = self.path_for(key)
         async with self._keys.hold(key):
-            found = await _in_thread(lambda stop: self._check_file(path))
+            try:
+                found = await _in_thread(lambda stop: self._check_file(path))
+            except OSError as exc:
+                raise Unavailable(f"{self!r}: checking {path}: {exc}") from exc
             if found is _QUARANTINED:
                 self.corrupt_files += 1
             if not (isinstance(found, rec.Record) and found.key == key):
@@ -407,7 +419,7 @@ class FileConnector(BaseConnector):
                         raise CapacityError(f"{self!r}: disk full writing {size} bytes") from exc
                     raise Unavailable(f"{self!r}: writing {key!r}: {exc}") from exc
                 finally:
-                    self._reserved -= reservation
+                    self._release(reservation)
                 if fsync_error is not None:
                     raise Unavailable(f"{self!r}: fsync of {path}'s directory: {fsync_error}")
 
@@ -466,33 +478,45 @@ class FileConnector(BaseConnector):
 
         A put reserves only its growth (new size - old size of its key, which it holds: the
         rename frees the old size); reservations keep concurrent puts of other keys from
-        overshooting together. Keys with an operation in flight are never victims.
+        overshooting together. Keys with an operation in flight are never victims. When the
+        room is taken by other puts' reservations, wait for one to end and look again; when
+        nothing is reserved and still nothing can go, the object does not fit now.
         """
         if self._policy is None or self.capacity is None or self._index is None:
             return 0
-        victims = []
-        while self._used + self._reserved + grow > self.capacity:
-            victim = self._policy.victim(lambda k: not self._keys.busy(k))
-            if victim is None:
-                break
-            victims.append(victim)
-            self._used -= self._index.pop(victim, 0)
-        fits = self._used + self._reserved + grow <= self.capacity
-        reservation = max(grow, 0) if fits else 0
-        self._reserved += reservation
-        if victims:
-            paths = [self.path_for(v) for v in victims]
+        while True:
+            victims = []
+            while self._used + self._reserved + grow > self.capacity:
+                victim = self._policy.victim(lambda k: not self._keys.busy(k))
+                if victim is None:
+                    break
+                victims.append(victim)
+                self._used -= self._index.pop(victim, 0)
+            fits = self._used + self._reserved + grow <= self.capacity
+            reservation = max(grow, 0) if fits else 0
+            self._reserved += reservation
+            others_in_flight = self._reserved > reservation
             try:
-                async with self._keys.hold(*victims):  # no put of a victim until it is gone
-                    await _in_thread(lambda stop: _unlink_all(paths))
+                if victims:
+                    paths = [self.path_for(v) for v in victims]
+                    async with self._keys.hold(*victims):  # no put of a victim until it is gone
+                        await _in_thread(functools.partial(_unlink_all, paths))
+                if fits:
+                    return reservation
+                if not others_in_flight:
+                    raise CapacityError(
+                        f"{self!r}: no room for {grow} more bytes: every object that could go "
+                        "is in use by an operation in flight"
+                    )
+                self._room.clear()
+                await self._room.wait()
             except BaseException:
-                self._reserved -= reservation
+                self._release(reservation)
                 raise
-        if not fits:
-            raise CapacityError(
-                f"{self!r}: no room for {grow} more bytes: the rest is held by operations in flight"
-            )
-        return reservation
+
+    def _release(self, reservation: int) -> None:
+        self._reserved -= reservation
+        self._room.set()  # wake puts waiting in _make_room
 
     async def delete(self, key: str) -> bool:
         with self._op():

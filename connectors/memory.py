@@ -110,9 +110,9 @@ class MemoryConnector(BaseConnector):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        split_url(url, cls.scheme)
+        parts = split_url(url, cls.scheme)
         opts = parse_options(MemoryOptions, url, options)
-        name = url.split("://", 1)[1]
+        name = parts.netloc + parts.path
         return cls(name or None, capacity=opts.capacity, eviction=opts.eviction)
 
     def _check_open(self) -> None:

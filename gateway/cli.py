@@ -64,6 +64,7 @@ def bench(
     capacity: Annotated[str | None, typer.Option(help="memory tier capacity")] = None,
     baseline: Annotated[str, typer.Option(help="auto, memcpy, disk or none")] = "auto",
     repeat: Annotated[int, typer.Option(help="runs; the median run is reported")] = 1,
+    cold: Annotated[bool, typer.Option(help="evict files from the page cache before gets")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
 ) -> None:
     """Put then get COUNT objects through a Store; print throughput next to a baseline."""
@@ -93,6 +94,7 @@ def bench(
                         kind=kind,
                         capacity=cap,
                         baseline=baseline,
+                        cold=cold,
                         progress=lambda n: bar.advance(task, n),
                     )
                 )

@@ -1,7 +1,7 @@
 """``zstd``: lossless Zstandard compression of the object's bytes.
 
 The compressed payload records the content size; decoding checks it against the frame's
-``raw_len`` and refuses to produce more, so a corrupted payload cannot balloon memory.
+``raw_len`` first and refuses truncated payloads or trailing bytes.
 """
 
 from __future__ import annotations
@@ -36,11 +36,18 @@ class ZstdCodec:
         return cctx.compress(obj.host()), {"level": self.level}
 
     def decode(self, payload: memoryview, info: FrameInfo, out: memoryview | None) -> Buffer:
-        dctx = zstandard.ZstdDecompressor()
         try:
-            data = dctx.decompress(payload, max_output_size=info.raw_len)
+            # The declared size is checked before decompressing, so a crafted payload cannot
+            # make us allocate more than the frame header promised.
+            declared = zstandard.get_frame_parameters(payload).content_size
+            if declared != info.raw_len:
+                raise CorruptObject(f"zstd payload declares {declared} bytes, not {info.raw_len}")
+            dobj = zstandard.ZstdDecompressor().decompressobj()
+            data = dobj.decompress(payload)
         except zstandard.ZstdError as exc:
             raise CorruptObject(f"zstd payload does not decompress: {exc}") from None
+        if not dobj.eof or dobj.unused_data:
+            raise CorruptObject("zstd payload is truncated or has trailing bytes")
         if len(data) != info.raw_len:
             raise CorruptObject(f"zstd payload gave {len(data)} bytes, expected {info.raw_len}")
         if out is None:

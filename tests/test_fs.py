@@ -4,6 +4,7 @@ cancellation and a really full disk. The common contract is in tests/conformance
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import struct
 import subprocess
@@ -242,6 +243,38 @@ async def test_overwrites_and_deletes_keep_usage_exact(tmp_path: Path) -> None:
     await conn.close()
 
 
+async def test_concurrent_puts_under_capacity_keep_the_books_straight(tmp_path: Path) -> None:
+    conn = FileConnector(tmp_path, capacity=10 * KiB, fsync=False, fsync_dir=False)
+    sizes = [KiB * (1 + i % 3) for i in range(60)]
+
+    async def churn(i: int) -> None:
+        await conn.put(f"k{i % 20}", make_bytes(sizes[i], seed=i))
+        await conn.get(f"k{(i * 7) % 20}")
+        if i % 5 == 0:
+            await conn.delete(f"k{(i * 3) % 20}")
+
+    results = []
+    for wave in range(6):  # 10 operations in flight over 20 keys
+        batch = (churn(i) for i in range(wave * 10, wave * 10 + 10))
+        results += await asyncio.gather(*batch, return_exceptions=True)
+    # A put that finds every other object in use gets a CapacityError (it does not fit now);
+    # whatever happens, the count stays exact.
+    failures = [r for r in results if r is not None]
+    assert all(isinstance(r, CapacityError) for r in failures), failures
+    assert len(failures) < len(results) // 2
+    stored = await listed(conn, "")
+    used, capacity = conn.usage()
+    assert capacity == 10 * KiB
+    assert used == sum(stored.values())
+    assert used <= 10 * KiB
+    assert len(record_files(tmp_path)) == len(stored)
+    for key, size in stored.items():
+        got = await conn.get(key)
+        assert got is not None
+        assert len(got) == size
+    await conn.close()
+
+
 async def test_oversized_object_is_refused_before_writing(tmp_path: Path) -> None:
     conn = FileConnector(tmp_path, capacity=MiB)
     await conn.put("small", b"s")
@@ -286,6 +319,10 @@ async def test_directory_lock(tmp_path: Path) -> None:
     await second.close()
     with pytest.raises(GatewayError, match="closed"):
         await second.get("k")
+    forgotten = FileConnector(tmp_path)
+    del forgotten  # never closed: collecting it releases the lock
+    gc.collect()
+    await FileConnector(tmp_path).close()
 
 
 def test_url_and_options(tmp_path: Path) -> None:

@@ -1,0 +1,79 @@
+"""The entry-point registry: built-ins, a third-party plugin, and install hints."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway import registry
+from gateway.errors import MissingDependency, NotFound
+
+
+@pytest.fixture
+def plugin_dist(tmp_path: Path) -> Iterator[Path]:
+    """A real installed distribution (dist-info on sys.path) that registers two schemes."""
+    (tmp_path / "toyplug.py").write_text(
+        textwrap.dedent("""
+        from connectors.memory import MemoryConnector
+
+        class ToyConnector(MemoryConnector):
+            scheme = "toy"
+
+            @classmethod
+            def from_url(cls, url, **options):
+                return cls()
+    """)
+    )
+    info = tmp_path / "toyplug-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: toyplug\nVersion: 0.1\nProvides-Extra: broken\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[kvgate.connectors]\ntoy = toyplug:ToyConnector\nbroken = missing_sdk_xyz:Thing\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    registry._entry_points.cache_clear()
+    try:
+        yield tmp_path
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("toyplug", None)
+        registry._entry_points.cache_clear()
+
+
+def test_builtins_are_registered() -> None:
+    names = {s.name for s in registry.connector_status()}
+    assert {"memory", "file", "blackhole"} <= names
+    assert {s.name for s in registry.codec_status() if s.usable} >= {"raw", "zstd"}
+
+
+async def test_third_party_scheme_without_core_change(plugin_dist: Path) -> None:
+    conn = registry.connect("toy://anything")
+    assert type(conn).__name__ == "ToyConnector"
+    await conn.put("k", b"v")
+    assert await conn.get("k") == b"v"
+    status = {s.name: s for s in registry.connector_status()}
+    assert status["toy"].usable
+    assert status["toy"].distribution == "toyplug"
+
+
+def test_missing_dependency_gives_install_hint(plugin_dist: Path) -> None:
+    with pytest.raises(MissingDependency, match=r"pip install 'toyplug\[broken\]'"):
+        registry.connect("broken://host")
+    status = {s.name: s for s in registry.connector_status()}
+    assert not status["broken"].usable
+    assert "missing_sdk_xyz" in status["broken"].problem
+
+
+def test_unknown_scheme_and_codec() -> None:
+    with pytest.raises(NotFound, match="known:"):
+        registry.connect("nosuch://x")
+    with pytest.raises(NotFound):
+        registry.load_codec("nosuch")
+    with pytest.raises(NotFound):
+        registry.connect("no-scheme-here")

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Self
 from urllib.parse import urlsplit
@@ -62,6 +63,7 @@ class Store:
         self._opened = False
         self._closed = False
         self._open_lock = asyncio.Lock()
+        self._l1_ttl: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -95,6 +97,7 @@ class Store:
             self.pool = await self._new_pool(capacity)
             policy = make_policy(l1_cfg.eviction, capacity)
             self.l1 = MemoryTier(names[0], self.pool, policy)
+            self._l1_ttl = l1_cfg.ttl
             lower = list(enumerate(tiers))[1:]
         else:
             self.pool = await self._new_pool(cfg.staging)
@@ -239,8 +242,8 @@ class Store:
             raise
         for writer in self.writers:
             await writer.submit(WriteJob(k, data.meta, slab.acquire(), ttl))
-        if self.l1 is not None:
-            self.l1.insert(k, data.meta, slab)  # the index takes the put's reference
+        if self.l1 is not None:  # the index takes the put's reference
+            self.l1.insert(k, data.meta, slab, expires_at=_expiry(ttl, self._l1_ttl))
         else:
             slab.release()
 
@@ -305,7 +308,8 @@ class Store:
         for writer in self.writers:  # read your own writes while they are still queued
             job = writer.pending(key)
             if job is not None:
-                queued = Found(job.meta, slab=job.slab.acquire())
+                expires_at = _expiry(job.ttl, self._l1_ttl)
+                queued = Found(job.meta, slab=job.slab.acquire(), expires_at=expires_at)
                 self._promote(key, queued)
                 return queued
         for tier in self.tiers:
@@ -325,7 +329,8 @@ class Store:
 
     def _promote(self, key: str, found: Found) -> None:
         if self.l1 is not None and found.slab is not None and key not in self.l1:
-            self.l1.insert(key, found.meta, found.slab.acquire(), found.offset)
+            slab = found.slab.acquire()
+            self.l1.insert(key, found.meta, slab, found.offset, found.expires_at)
 
     # -- contains / delete / lookup / prefetch -------------------------------------------
 
@@ -429,6 +434,11 @@ class Store:
 
     def tier_names(self) -> list[str]:
         return [*([self.l1.name] if self.l1 else []), *(t.name for t in self.tiers)]
+
+
+def _expiry(ttl: float | None, default: float | None) -> float | None:
+    ttl = default if ttl is None else ttl
+    return None if ttl is None else time.time() + ttl
 
 
 def is_l1_url(url: str) -> bool:

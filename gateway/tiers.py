@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class Found:
     every object handed to a caller takes its own lease.
     """
 
-    __slots__ = ("__weakref__", "buffer", "meta", "offset", "slab")
+    __slots__ = ("__weakref__", "buffer", "expires_at", "meta", "offset", "slab")
 
     def __init__(
         self,
@@ -54,11 +55,13 @@ class Found:
         slab: Slab | None = None,
         offset: int = 0,
         buffer: Buffer | None = None,
+        expires_at: float | None = None,
     ) -> None:
         self.meta = meta
         self.slab = slab
         self.offset = offset
         self.buffer = buffer
+        self.expires_at = expires_at  # wall-clock seconds, as in frame headers
         if slab is not None:
             weakref.finalize(self, slab.release)
 
@@ -76,6 +79,10 @@ class L1Entry:
     meta: ObjectMeta
     slab: Slab  # the index's reference
     offset: int
+    expires_at: float | None = None  # wall-clock seconds, as in frame headers
+
+    def expired(self) -> bool:
+        return self.expires_at is not None and time.time() > self.expires_at
 
 
 class MemoryTier:
@@ -90,6 +97,9 @@ class MemoryTier:
 
     def lookup(self, key: str) -> L1Entry | None:
         entry = self.index.get(key)
+        if entry is not None and entry.expired():
+            self.remove(key)
+            entry = None
         if entry is None:
             self.stats.misses += 1
             return None
@@ -99,12 +109,20 @@ class MemoryTier:
         return entry
 
     def __contains__(self, key: str) -> bool:
-        return key in self.index
+        entry = self.index.get(key)
+        return entry is not None and not entry.expired()
 
-    def insert(self, key: str, meta: ObjectMeta, slab: Slab, offset: int = 0) -> None:
+    def insert(
+        self,
+        key: str,
+        meta: ObjectMeta,
+        slab: Slab,
+        offset: int = 0,
+        expires_at: float | None = None,
+    ) -> None:
         """Index ``slab`` under ``key``; takes over one reference of the caller's."""
         self.remove(key)
-        self.index[key] = L1Entry(meta, slab, offset)
+        self.index[key] = L1Entry(meta, slab, offset, expires_at)
         self.policy.insert(key, slab.size)
         self.stats.puts += 1
         self.stats.bytes_written += meta.nbytes
@@ -224,7 +242,9 @@ class ConnectorTier:
                 # get_into read the frame into the slab alloc gave it (the contract says it
                 # must when alloc gives one): the payload is used in place, no copy.
                 slab = frame_slab.pop()
-                return Found(meta, slab=slab, offset=size - payload.nbytes)
+                return Found(
+                    meta, slab=slab, offset=size - payload.nbytes, expires_at=_expiry(header)
+                )
             codec = self._codec_for(header)
             out_slab = alloc(header.raw_len)
             out = out_slab.view() if out_slab is not None else None
@@ -235,12 +255,12 @@ class ConnectorTier:
                     out_slab.release()
                 raise
             if out_slab is not None and out is not None and _same_buffer(raw, out):
-                return Found(meta, slab=out_slab, offset=0)
+                return Found(meta, slab=out_slab, offset=0, expires_at=_expiry(header))
             if out_slab is not None:
                 out_slab.release()
             if memoryview(raw).nbytes != header.raw_len:
                 raise CorruptObject(f"codec {header.codec} returned the wrong length")
-            return Found(meta, buffer=raw)
+            return Found(meta, buffer=raw, expires_at=_expiry(header))
         finally:
             for slab in frame_slab:
                 slab.release()
@@ -256,6 +276,10 @@ class ConnectorTier:
 
     async def delete(self, key: str) -> bool:
         return await self.connector.delete(key)
+
+
+def _expiry(header: FrameHeader) -> float | None:
+    return None if header.ttl is None else header.created_at + header.ttl
 
 
 def _same_buffer(a: Buffer, b: memoryview) -> bool:

@@ -344,3 +344,20 @@ async def test_closed_store_refuses() -> None:
 
 def test_file_connector_importable() -> None:
     assert FileConnector.scheme == "file"
+
+
+async def test_ttl_expires_in_every_tier() -> None:
+    url = ns()
+    async with Store(tiers(url)) as store:
+        await store.put("short", b"x", ttl=0.05)
+        await store.put("long", b"y", ttl=60)
+        await store.flush()
+        assert await store.get("short") == b"x"
+        await asyncio.sleep(0.1)
+        assert await store.get("short") is None  # expired in L1 and in the lower tier
+        assert not await store.contains("short")
+        assert await store.get("long") == b"y"
+        assert store.l1 is not None
+        store.l1.remove("long")
+        assert await store.get("long") == b"y"  # promoted with its expiry
+        assert store.l1.index["long"].expires_at is not None

@@ -14,6 +14,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from gateway.config import redact_url
 from gateway.errors import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
@@ -34,7 +35,7 @@ def parse_options(model: type[M], url: str, options: Mapping[str, Any]) -> M:
             f"option {'.'.join(str(p) for p in err['loc']) or '?'!r}: {err['msg']}"
             for err in exc.errors()
         )
-        raise ConfigError(f"{url}: {problems}") from None
+        raise ConfigError(f"{redact_url(url)}: {problems}") from None
 
 
 def split_url(url: str, scheme: str) -> SplitResult:
@@ -45,9 +46,10 @@ def split_url(url: str, scheme: str) -> SplitResult:
     """
     parts = urlsplit(url)
     if parts.scheme.lower() != scheme:
-        raise ConfigError(f"{url!r} is not a {scheme}:// URL")
+        raise ConfigError(f"{redact_url(url)!r} is not a {scheme}:// URL")
     if parts.query or parts.fragment:
         raise ConfigError(
-            f"{url!r}: options go in keyword arguments, not in the URL's query or fragment"
+            f"{redact_url(url)!r}: options go in keyword arguments, "
+            "not in the URL's query or fragment"
         )
     return parts

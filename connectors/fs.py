@@ -21,7 +21,11 @@ The index is built lazily, in a worker thread, by the first operation (or an exp
 keys into the eviction policy oldest first (by mtime) and evicts if over capacity.
 ``usage()`` is exact once the index is built and (0, capacity) before.
 
-Capacity counts object bytes (what ``put`` was given), not headers or filesystem blocks.
+Capacity counts object bytes (what ``put`` was given), not headers or filesystem blocks. A put
+evicts keys that no operation is using; when only objects in use could make room, it waits for
+other puts in flight to finish, and fails with CapacityError if none are left to wait for.
+A read that finds a broken record (after ``get_into`` may already have called ``alloc``) is a
+miss; the file goes to quarantine/ and ``corrupt_files`` counts it.
 A cancelled call waits for its worker thread to stop (one chunk at most) before it re-raises,
 so no thread touches the caller's buffers after the call is over.
 """
@@ -495,19 +499,21 @@ class FileConnector(BaseConnector):
             fits = self._used + self._reserved + grow <= self.capacity
             reservation = max(grow, 0) if fits else 0
             self._reserved += reservation
-            others_in_flight = self._reserved > reservation
             try:
                 if victims:
                     paths = [self.path_for(v) for v in victims]
                     async with self._keys.hold(*victims):  # no put of a victim until it is gone
                         await _in_thread(functools.partial(_unlink_all, paths))
+                    if not fits:
+                        continue  # things moved while we unlinked: look again
                 if fits:
                     return reservation
-                if not others_in_flight:
+                if self._reserved == 0:
                     raise CapacityError(
                         f"{self!r}: no room for {grow} more bytes: every object that could go "
                         "is in use by an operation in flight"
                     )
+                # No await between the check above and this wait, so no wake-up is missed.
                 self._room.clear()
                 await self._room.wait()
             except BaseException:

@@ -36,9 +36,24 @@ import pytest_asyncio
 
 from gateway.connector import Connector
 from gateway.errors import Unsupported
+from gateway.store import Store
 from gateway.types import Buffer, Capabilities, ObjectInfo
 
 ConnectorFactory = Callable[[], Awaitable[Connector]]
+STORE_DTYPES = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
 """Returns a new connector instance on the backend and namespace the runner set up."""
 
 KiB = 1 << 10
@@ -409,3 +424,82 @@ class ConnectorConformance:
                 }
         finally:
             await second.close()
+
+    # -- through a Store: frames, tensors and corruption on this backend -----------------
+
+    @staticmethod
+    async def _store_on(connector_factory: ConnectorFactory) -> tuple[Store, Connector]:
+        """A Store whose only tier is a new connector (no memory tier: gets read the backend).
+
+        The store closes the connector; one that stores nothing is closed here and skipped.
+        """
+        conn = await connector_factory()
+        if not conn.capabilities.stores_data:
+            await conn.close()
+            pytest.skip("the connector does not store data (stores_data=False)")
+        cfg = {"tiers": [{"url": f"{conn.scheme}://", "timeout": 30.0}], "staging": 64 * MiB}
+        return Store(cfg, connectors={0: conn}), conn
+
+    @pytest.mark.parametrize("dtype", STORE_DTYPES)
+    async def test_store_round_trips_tensors(
+        self, connector_factory: ConnectorFactory, prefix: str, dtype: str
+    ) -> None:
+        torch = pytest.importorskip("torch")
+        store, _ = await self._store_on(connector_factory)
+        src = torch.arange(2 * 3 * 40 * 64, dtype=torch.float32).reshape(2, 3, 40, 64) / 7
+        src = src.to(getattr(torch, dtype))
+        async with store:
+            await store.put(f"{prefix}t", src, fmt=1)
+            await store.flush()
+            got = await store.get(f"{prefix}t")
+        assert isinstance(got, torch.Tensor)
+        assert got.dtype == src.dtype
+        assert got.shape == src.shape
+        assert torch.equal(got.view(torch.uint8), src.view(torch.uint8))
+
+    async def test_store_round_trips_every_kind(
+        self, connector_factory: ConnectorFactory, prefix: str
+    ) -> None:
+        store, _ = await self._store_on(connector_factory)
+        objs: list[object] = [
+            b"",
+            make_bytes(4096),
+            bytearray(make_bytes(100, 1)),
+            memoryview(make_bytes(10, 2)),
+            np.arange(60, dtype=np.float16).reshape(3, 4, 5),
+        ]
+        async with store:
+            for i, obj in enumerate(objs):
+                await store.put(f"{prefix}{i}", obj)
+            await store.flush()
+            for i, obj in enumerate(objs):
+                got = await store.get(f"{prefix}{i}")
+                assert type(got) is type(obj)
+                if isinstance(obj, np.ndarray):
+                    assert isinstance(got, np.ndarray)
+                    np.testing.assert_array_equal(got, obj)
+                else:
+                    assert_same_bytes(got, obj)  # type: ignore[arg-type]
+
+    async def test_store_serves_corrupted_bytes_as_a_counted_miss(
+        self, connector_factory: ConnectorFactory, prefix: str
+    ) -> None:
+        """Garbage written straight into the backend under a valid key is detected."""
+        store, conn = await self._store_on(connector_factory)
+        key = f"{prefix}victim"
+        async with store:
+            await store.put(key, make_bytes(64 * 1024, 3))
+            await store.flush()
+            blob = bytearray(memoryview(await conn.get(key) or b"").cast("B"))
+            assert blob, "the store wrote nothing"
+            blob[len(blob) // 2] ^= 0x5A  # one flipped byte in the payload
+            await conn.put(key, bytes(blob))
+            assert await store.get(key) is None
+            stats = next(iter(store.stats().values()))
+            assert stats.corrupt == 1
+            await conn.put(key, b"not a frame at all")
+            assert await store.get(key) is None
+            assert stats.corrupt == 2
+            await store.put(key, b"fresh")  # the key is usable again
+            await store.flush()
+            assert await store.get(key) == b"fresh"

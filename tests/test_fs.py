@@ -257,11 +257,16 @@ async def test_concurrent_puts_under_capacity_keep_the_books_straight(tmp_path: 
     for wave in range(6):  # 10 operations in flight over 20 keys
         batch = (churn(i) for i in range(wave * 10, wave * 10 + 10))
         results += await asyncio.gather(*batch, return_exceptions=True)
-    # A put that finds every other object in use gets a CapacityError (it does not fit now);
-    # whatever happens, the count stays exact.
+    # A put that finds every stored object in use by other operations cannot make room: that
+    # is a CapacityError (it does not fit now), never a hang and never a wrong count. With 10
+    # in flight over 20 keys it is rare; with 60 at once it is common.
     failures = [r for r in results if r is not None]
     assert all(isinstance(r, CapacityError) for r in failures), failures
-    assert len(failures) < len(results) // 2
+    assert len(failures) < len(results) // 4
+    async with asyncio.timeout(30):
+        results = await asyncio.gather(*(churn(i) for i in range(60)), return_exceptions=True)
+    failures = [r for r in results if r is not None]
+    assert all(isinstance(r, CapacityError) for r in failures), failures
     stored = await listed(conn, "")
     used, capacity = conn.usage()
     assert capacity == 10 * KiB

@@ -361,3 +361,20 @@ async def test_ttl_expires_in_every_tier() -> None:
         store.l1.remove("long")
         assert await store.get("long") == b"y"  # promoted with its expiry
         assert store.l1.index["long"].expires_at is not None
+
+
+async def test_slow_tier_is_a_timed_out_miss() -> None:
+    backing = MemoryConnector.from_url(ns())
+    slow = ChaosLayer(backing, latency=0.0)
+    cfg = tiers("memory://", l1=None, timeout=0.2, retry={"attempts": 1})
+    async with Store(cfg, connectors={0: slow}) as store:
+        await store.put("k", b"v")
+        await store.flush()
+        slow.latency = 2.0
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await store.get("k") is None
+        assert loop.time() - start < 1.0
+        assert store.stats()["memory"].errors.get("timeout") == 1
+        slow.latency = 0.0
+        assert await store.get("k") == b"v"

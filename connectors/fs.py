@@ -96,6 +96,30 @@ async def _in_thread(
         raise
 
 
+PARALLEL_READ_BYTES = 8 << 20
+
+
+async def _read_ranges(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``; large reads run as two halves in parallel.
+
+    A read from the page cache is a memory copy that one thread cannot saturate, so two
+    threads halve the time of a warm 32 MiB get. Both halves are awaited even when one fails,
+    so no thread still writes into ``buf`` (or reads a closed fd) when this returns.
+    """
+    if buf.nbytes < PARALLEL_READ_BYTES:
+        await _in_thread(lambda stop: rec.read_exact(fd, buf, offset, stop))
+        return
+    half = buf.nbytes // 2 // 4096 * 4096
+    results = await asyncio.gather(
+        _in_thread(lambda stop: rec.read_exact(fd, buf[:half], offset, stop)),
+        _in_thread(lambda stop: rec.read_exact(fd, buf[half:], offset + half, stop)),
+        return_exceptions=True,
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -334,9 +358,7 @@ class FileConnector(BaseConnector):
                     buf = memoryview(bytearray(record.data_len)) if given is None else given
                     if buf.nbytes != record.data_len:
                         raise ValueError(f"alloc({record.data_len}) gave {buf.nbytes} bytes")
-                    await _in_thread(
-                        lambda stop: rec.read_exact(fd, buf.cast("B"), record.data_offset, stop)
-                    )
+                    await _read_ranges(fd, buf.cast("B"), record.data_offset)
                 finally:
                     os.close(fd)  # a close of a read-only fd does not wait for the disk
             except _UNREADABLE:

@@ -57,6 +57,7 @@ class Store:
         self.writers: list[TierWriter] = []
         self.pool: BufferPool | None = None
         self._fetching: dict[str, asyncio.Future[Found | None]] = {}
+        self._stale: set[str] = set()  # keys whose in-flight fetch must not be promoted
         self._background: set[asyncio.Task[Any]] = set()
         self._space = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -235,16 +236,14 @@ class Store:
         if slab is None:
             await self._put_direct(k, data, ttl)
             return
-        try:
+        try:  # the put's own slab reference, released below whatever happens
             await offload(nbytes, data.copy_into, slab.view())
-        except BaseException:
-            slab.release()
-            raise
-        for writer in self.writers:
-            await writer.submit(WriteJob(k, data.meta, slab.acquire(), ttl))
-        if self.l1 is not None:  # the index takes the put's reference
-            self.l1.insert(k, data.meta, slab, expires_at=_expiry(ttl, self._l1_ttl))
-        else:
+            self._invalidate_fetch(k)
+            if self.l1 is not None:  # first, so that a get during the queue waits sees it
+                self.l1.insert(k, data.meta, slab.acquire(), expires_at=_expiry(ttl, self._l1_ttl))
+            for writer in self.writers:
+                await writer.submit(WriteJob(k, data.meta, slab.acquire(), ttl))
+        finally:
             slab.release()
 
     async def _put_direct(self, key: str, data: ObjectData, ttl: float | None) -> None:
@@ -255,6 +254,7 @@ class Store:
                 f"object of {data.meta.nbytes} bytes does not fit the memory tier "
                 f"({self.pool.capacity} bytes) and there is no lower tier"
             )
+        self._invalidate_fetch(key)
         if self.l1 is not None:
             self.l1.remove(key)  # an older version must not shadow this one
         for writer in self.writers:
@@ -301,8 +301,18 @@ class Store:
         if fut is None:
             fut = asyncio.ensure_future(self._fetch(key))
             self._fetching[key] = fut
-            fut.add_done_callback(lambda _f: self._fetching.pop(key, None))
+            fut.add_done_callback(lambda _f: self._fetch_done(key))
         return await asyncio.shield(fut)
+
+    def _fetch_done(self, key: str) -> None:
+        self._fetching.pop(key, None)
+        self._stale.discard(key)
+
+    def _invalidate_fetch(self, key: str) -> None:
+        """A put or delete of ``key`` while it is being fetched: the fetched (older) object
+        still answers the gets that asked before, but must not be promoted into L1."""
+        if key in self._fetching:
+            self._stale.add(key)
 
     async def _fetch(self, key: str) -> Found | None:
         for writer in self.writers:  # read your own writes while they are still queued
@@ -328,6 +338,8 @@ class Store:
         return None
 
     def _promote(self, key: str, found: Found) -> None:
+        if key in self._stale:
+            return
         if self.l1 is not None and found.slab is not None and key not in self.l1:
             slab = found.slab.acquire()
             self.l1.insert(key, found.meta, slab, found.offset, found.expires_at)
@@ -342,6 +354,7 @@ class Store:
         """Remove ``key`` from every tier; True when any tier held it."""
         k = normalize_key(key)
         await self._ready()
+        self._invalidate_fetch(k)
         removed = self.l1.remove(k) if self.l1 is not None else False
         for writer in self.writers:
             removed = (writer.pending(k) is not None) or removed

@@ -9,6 +9,7 @@ which counts them and treats them as misses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
@@ -33,10 +34,21 @@ T = TypeVar("T")
 
 
 async def offload(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn`` inline for small inputs, in a worker thread for large ones."""
-    if nbytes >= OFFLOAD_BYTES:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
+    """Run ``fn`` inline for small inputs, in a worker thread for large ones.
+
+    If the caller is cancelled, this still waits for the thread to finish before re-raising:
+    ``fn`` works on pool slabs that the caller releases as soon as this returns.
+    """
+    if nbytes < OFFLOAD_BYTES:
+        return fn(*args)
+    job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        while not job.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait((job,))
+        raise
 
 
 class Found:

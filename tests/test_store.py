@@ -15,7 +15,8 @@ import torch
 from connectors.fs import FileConnector
 from connectors.memory import MemoryConnector
 from gateway import CapacityError, InvalidKey, Key, Store
-from gateway.layers import ChaosLayer
+from gateway.layers import ChaosLayer, Layer
+from gateway.types import Buffer
 
 KIB = 1024
 
@@ -378,3 +379,56 @@ async def test_slow_tier_is_a_timed_out_miss() -> None:
         assert store.stats()["memory"].errors.get("timeout") == 1
         slow.latency = 0.0
         assert await store.get("k") == b"v"
+
+
+class SlowReply(Layer):
+    """Reads from the real backend, then holds the reply back: a read that raced a delete."""
+
+    delay = 0.0
+
+    async def get(self, key: str) -> Buffer | None:
+        data = await self.inner.get(key)
+        await asyncio.sleep(self.delay)
+        return data
+
+
+async def test_delete_during_a_fetch_is_not_undone_by_promotion() -> None:
+    slow = SlowReply(MemoryConnector.from_url(ns()))
+    async with Store(tiers("memory://"), connectors={1: slow}) as store:
+        await store.put("k", b"old")
+        await store.flush()
+        assert store.l1 is not None
+        store.l1.remove("k")
+        slow.delay = 0.2
+        reader = asyncio.create_task(store.get("k"))
+        await asyncio.sleep(0.05)  # the fetch has read the old bytes and is on its way back
+        assert await store.delete("k")
+        assert await reader == b"old"  # asked before the delete: it may see the old object
+        assert "k" not in store.l1  # but that object is not promoted back into L1
+        slow.delay = 0.0
+        assert await store.get("k") is None
+
+
+async def test_cancelled_put_leaks_no_memory() -> None:
+    stalled = ChaosLayer(MemoryConnector(), latency=1.0)
+    cfg = {
+        "tiers": [
+            {"url": "memory://", "capacity": 1 << 20},
+            {"url": "memory://", "queue_size": 1, "workers": 1},
+        ]
+    }
+    async with Store(cfg, connectors={1: stalled}) as store:
+        assert store.pool is not None
+        await store.put("a", b"x" * 1000)  # taken by the worker
+        await store.put("b", b"x" * 1000)  # fills the queue
+        blocked = asyncio.create_task(store.put("c", b"x" * 1000))
+        await asyncio.sleep(0.05)
+        blocked.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await blocked
+        stalled.latency = 0.0
+        await store.flush()
+        for k in ("a", "b", "c"):
+            await store.delete(k)
+        gc.collect()
+        assert store.pool.used == 0

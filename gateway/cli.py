@@ -105,7 +105,8 @@ def bench(
         print(json.dumps(result.as_dict()))
         return
     table = Table(
-        title=f"kvgate bench: {count} x {size} via {' -> '.join(tiers)}, concurrency {concurrency}"
+        title=f"kvgate bench: {count} x {size} via {' -> '.join(result.tiers)}, "
+        f"concurrency {concurrency}"
     )
     for col in ("", "kvgate GB/s", f"baseline ({result.baseline}) GB/s", "ratio", "ops/s"):
         table.add_column(col)
@@ -117,10 +118,10 @@ def bench(
         f"{result.put_ops_per_s:,.0f}",
     )
     table.add_row(
-        "get",
+        "get (zero-copy)" if result.get_zero_copy else "get",
         f"{result.get_gbps:.2f}",
         f"{result.baseline_get_gbps:.2f}",
-        f"{result.get_ratio:.2f}",
+        "-" if result.get_zero_copy else f"{result.get_ratio:.2f}",
         f"{result.get_ops_per_s:,.0f}",
     )
     table.add_row(

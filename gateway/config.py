@@ -337,8 +337,10 @@ class StoreConfig(_Strict):
 
     ``staging`` is the host buffer pool for in-flight writes and returned objects when there is
     no ``memory://`` L1 tier. ``pin_memory=None`` pins that memory when CUDA is available.
-    ``prefault`` touches the whole pool when the store opens (in a worker thread), so puts copy
-    at memcpy speed from the first one instead of paying a page fault per 4 KiB.
+    ``max_object_size`` refuses larger puts (``CapacityError``) and bounds what a stored
+    frame may claim on read. ``prefault`` touches the whole pool when the store opens (in a
+    worker thread), so puts copy at memcpy speed from the first one instead of paying a page
+    fault per 4 KiB.
     """
 
     tiers: list[TierConfig] = Field(default_factory=default_tiers, min_length=1)
@@ -348,6 +350,7 @@ class StoreConfig(_Strict):
     prefetch_deadline: float = Field(default=10.0, gt=0)
     pin_memory: bool | None = None
     prefault: bool = True
+    max_object_size: ByteSize = Field(default=1 << 30, gt=0)
 
     @model_validator(mode="after")
     def _unique_names(self) -> StoreConfig:

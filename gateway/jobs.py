@@ -6,24 +6,32 @@ bounded by the pool however slow the tier is. When the queue is full the tier's 
 policy applies: ``wait`` (the put waits for room) or ``skip`` (the write is dropped and
 counted).
 
-Writes of one key must land in order even with several workers: a newer job that finds an
-older one still queued marks it superseded (the worker skips it); one that finds it running
-waits for it before writing. ``barrier(key)`` gives ``delete`` the same guarantee, so a queued
-write can never resurrect a deleted object.
+Ordering of one key's writes, whatever the number of workers, rests on one rule: ``latest[key]``
+is the newest write intent (a job, or a barrier for a delete), registered before the job waits
+for queue room. A worker writes a job only if it is still the latest, and only once no other
+write of that key is running; anything older is skipped. So an older write never lands after a
+newer one or after a delete.
+
+A key whose newest write could not be made (skipped by back-pressure, or failed) is *stale* in
+that tier: the tier may still hold an older version, so the store does not read the key from it
+until a later write or delete of the key succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, Unavailable
 from gateway.memory import Slab
 from gateway.objects import ObjectData, ObjectMeta
 from gateway.tiers import ConnectorTier
 
 log = logging.getLogger("kvgate.jobs")
+
+MAX_STALE_KEYS = 1 << 20  # past this, a full queue makes puts wait instead of skipping
 
 
 @dataclass(eq=False, slots=True)
@@ -31,14 +39,17 @@ class WriteJob:
     key: str
     meta: ObjectMeta
     slab: Slab  # one reference owned by the job until it finishes
-    ttl: float | None = None
-    superseded: bool = False
-    started: bool = False
-    after: WriteJob | None = None
+    expires_at: float | None = None  # wall-clock seconds, fixed at put time
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def data(self) -> ObjectData:
         return ObjectData(self.meta, self.slab.view())
+
+
+class Barrier:
+    """A write intent that writes nothing: queued writes older than it are skipped."""
+
+    __slots__ = ()
 
 
 class TierWriter:
@@ -48,8 +59,11 @@ class TierWriter:
         self.tier = tier
         self.backpressure = backpressure
         self.queue: asyncio.Queue[WriteJob | None] = asyncio.Queue(queue_size)
-        self.latest: dict[str, WriteJob] = {}
+        self.latest: dict[str, WriteJob | Barrier] = {}
+        self.running: dict[str, WriteJob] = {}
+        self.stale: set[str] = set()
         self.in_flight = 0
+        self.closed = False
         self._n_workers = workers
         self._workers: list[asyncio.Task[None]] = []
 
@@ -61,44 +75,61 @@ class TierWriter:
 
     async def submit(self, job: WriteJob) -> bool:
         """Queue ``job`` (which owns a slab reference); False when skipped by back-pressure."""
+        if self.closed:
+            job.slab.release()
+            raise Unavailable(f"tier {self.tier.name}: the store is closing")
         self.in_flight += 1
+        self.latest[job.key] = job  # from here on, older writes of the key are skipped
         try:
-            if self.backpressure == "skip":
+            if self.backpressure == "skip" and len(self.stale) < MAX_STALE_KEYS:
                 self.queue.put_nowait(job)
             else:
                 await self.queue.put(job)
         except asyncio.QueueFull:
             self.tier.stats.skipped_writes += 1
+            self.stale.add(job.key)
             self._finish(job)
             return False
         except BaseException:
             self._finish(job)
             raise
-        # No await between the enqueue and this bookkeeping, so no worker has seen ``job``.
-        prev = self.latest.get(job.key)
-        if prev is not None:
-            if prev.started:
-                job.after = prev
-            else:
-                prev.superseded = True
-        self.latest[job.key] = job
-        self.tier.stats.queue_depth = self.queue.qsize()
+        finally:
+            self.tier.stats.queue_depth = self.queue.qsize()
         return True
 
     def pending(self, key: str) -> WriteJob | None:
         """The newest unfinished write of ``key`` (its slab holds the bytes), if any."""
         job = self.latest.get(key)
-        return job if job is not None and not job.done.is_set() else None
+        if isinstance(job, WriteJob) and not job.done.is_set():
+            return job
+        return None
 
     async def barrier(self, key: str) -> None:
-        """Make sure no earlier write of ``key`` lands after this point."""
-        job = self.latest.get(key)
-        if job is None:
-            return
-        if not job.started:
-            job.superseded = True
-            return
-        await job.done.wait()
+        """After this, no write of ``key`` accepted before it can land in the tier."""
+        mark = Barrier()
+        self.latest[key] = mark
+        while (running := self.running.get(key)) is not None:
+            await running.done.wait()
+        if self.latest.get(key) is mark:
+            del self.latest[key]
+
+    def settled(self, key: str, ok: bool) -> None:
+        """The store wrote or deleted ``key`` in the tier itself (after a barrier)."""
+        if ok:
+            self.stale.discard(key)
+        else:
+            self.stale.add(key)
+
+    async def _claim(self, job: WriteJob) -> bool:
+        """Wait until ``job`` may run: False when a newer intent has superseded it."""
+        while True:
+            if self.latest.get(job.key) is not job:
+                return False
+            running = self.running.get(job.key)
+            if running is None:
+                self.running[job.key] = job
+                return True
+            await running.done.wait()
 
     async def _work(self) -> None:
         while True:
@@ -106,24 +137,34 @@ class TierWriter:
             try:
                 if job is None:
                     return
-                if job.superseded:
-                    continue
-                job.started = True
-                if job.after is not None:
-                    await job.after.done.wait()
-                await self.tier.write(job.key, job.data(), job.ttl)
-            except asyncio.CancelledError:
-                raise
-            except GatewayError as exc:  # counted by the metrics layer
-                log.warning("tier %s: write failed (%s): %s", self.tier.name, exc.kind, exc)
-            except Exception:
-                self.tier.stats.count_error("internal")
-                log.exception("tier %s: write failed", self.tier.name)
+                if await self._claim(job):
+                    ok = await self._write(job)
+                    if self.latest.get(job.key) is job:
+                        self.settled(job.key, ok)
             finally:
                 if job is not None:
                     self._finish(job)
                 self.queue.task_done()
                 self.tier.stats.queue_depth = self.queue.qsize()
+
+    async def _write(self, job: WriteJob) -> bool:
+        ttl = None
+        if job.expires_at is not None:
+            ttl = job.expires_at - time.time()
+            if ttl <= 0:  # expired while queued: nothing to write
+                return False
+        try:
+            await self.tier.write(job.key, job.data(), ttl)
+        except asyncio.CancelledError:
+            raise
+        except GatewayError as exc:  # counted by the metrics layer
+            log.warning("tier %s: write failed (%s): %s", self.tier.name, exc.kind, exc)
+            return False
+        except Exception:
+            self.tier.stats.count_error("internal")
+            log.exception("tier %s: write failed", self.tier.name)
+            return False
+        return True
 
     def _finish(self, job: WriteJob) -> None:
         if job.done.is_set():
@@ -131,6 +172,8 @@ class TierWriter:
         self.in_flight -= 1
         job.slab.release()
         job.done.set()
+        if self.running.get(job.key) is job:
+            del self.running[job.key]
         if self.latest.get(job.key) is job:
             del self.latest[job.key]
 
@@ -138,7 +181,8 @@ class TierWriter:
         await self.queue.join()
 
     async def close(self) -> None:
-        """Drain, then stop the workers."""
+        """Refuse new jobs, drain the queue, then stop the workers."""
+        self.closed = True
         await self.drain()
         for _ in self._workers:
             await self.queue.put(None)

@@ -47,8 +47,15 @@ class Slab:
         self.nbytes = nbytes  # requested size
         self.refs = 1
 
-    def view(self, start: int = 0, length: int | None = None) -> memoryview:
+    def _end(self, start: int, length: int | None) -> int:
         end = self.nbytes if length is None else start + length
+        if start < 0 or end < start or end > self.nbytes:
+            # A view past the slab would expose a neighbouring object.
+            raise ValueError(f"range {start}..{end} outside a slab of {self.nbytes} bytes")
+        return end
+
+    def view(self, start: int = 0, length: int | None = None) -> memoryview:
+        end = self._end(start, length)
         return self.pool.arena[self.offset + start : self.offset + end]
 
     def acquire(self) -> Slab:
@@ -63,7 +70,7 @@ class Slab:
 
     def lease(self, start: int = 0, length: int | None = None) -> memoryview:
         """A view that keeps this slab alive for as long as anything derived from it lives."""
-        end = self.nbytes if length is None else start + length
+        end = self._end(start, length)
         self.acquire()
         holder: np.ndarray[Any, Any] = self.pool.array[self.offset + start : self.offset + end]
         # Slicing an ndarray that owns nothing would let numpy collapse views to the arena, so

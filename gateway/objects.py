@@ -80,15 +80,25 @@ def _is_torch_tensor(obj: object) -> bool:
 class ObjectData:
     """A user object seen as metadata plus bytes. Cheap to build: nothing is copied here."""
 
-    __slots__ = ("_host", "meta", "tensor")
+    __slots__ = ("_array", "_host", "meta", "tensor")
 
-    def __init__(self, meta: ObjectMeta, host: memoryview | None, tensor: Any = None) -> None:
+    def __init__(
+        self,
+        meta: ObjectMeta,
+        host: memoryview | None,
+        tensor: Any = None,
+        *,
+        array: np.ndarray[Any, Any] | None = None,
+    ) -> None:
         self.meta = meta
         self._host = host
         self.tensor = tensor  # the torch tensor (possibly on a GPU) when kind == "tensor"
+        self._array = array  # a strided ndarray, made contiguous only when needed
 
     def host(self) -> memoryview:
         """The raw bytes on the host, contiguous (copies only for GPU or strided tensors)."""
+        if self._host is None and self._array is not None:
+            self._host = np.ascontiguousarray(self._array).reshape(-1).view(np.uint8).data
         if self._host is None:
             t = self.tensor.detach()
             if t.device.type != "cpu":
@@ -109,6 +119,10 @@ class ObjectData:
                 src = src.contiguous()
             out.copy_(src.reshape(-1).view(torch.uint8))
             return
+        if self._array is not None:  # strided: one pass, straight into the destination
+            out = np.frombuffer(dst, dtype=self._array.dtype).reshape(self._array.shape)
+            np.copyto(out, self._array)
+            return
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(self.host(), np.uint8))
 
 
@@ -121,8 +135,9 @@ def to_object_data(obj: object, fmt: int = MemoryFormat.UNDEFINED) -> ObjectData
             ObjectMeta("bytearray", "uint8", (len(obj),), len(obj), fmt), memoryview(obj)
         )
     if isinstance(obj, memoryview):
-        view = obj if obj.c_contiguous else memoryview(obj.tobytes())
-        view = view.cast("B")
+        if not obj.c_contiguous:
+            raise Unsupported("a non-contiguous memoryview: pass np.asarray(view) instead")
+        view = obj.cast("B")
         return ObjectData(ObjectMeta("memoryview", "uint8", (view.nbytes,), view.nbytes, fmt), view)
     if isinstance(obj, np.ndarray):
         return _ndarray_data(obj, fmt)
@@ -135,15 +150,15 @@ def to_object_data(obj: object, fmt: int = MemoryFormat.UNDEFINED) -> ObjectData
 
 
 def _ndarray_data(arr: np.ndarray[Any, Any], fmt: int) -> ObjectData:
-    if arr.dtype.kind not in "biufcV" or arr.dtype.fields is not None or arr.dtype.hasobject:
-        raise Unsupported(f"numpy dtype {arr.dtype} is not supported")
-    if arr.dtype.kind == "V" and arr.dtype.name not in ITEMSIZE:
+    if arr.dtype.name not in ITEMSIZE or arr.dtype.fields is not None or arr.dtype.hasobject:
         raise Unsupported(f"numpy dtype {arr.dtype} is not supported")
     if not arr.dtype.isnative:
-        arr = arr.astype(arr.dtype.newbyteorder("="))
-    arr = np.ascontiguousarray(arr)
+        raise Unsupported(f"numpy dtype {arr.dtype.str} is not in native byte order")
     meta = ObjectMeta("ndarray", arr.dtype.name, tuple(arr.shape), arr.nbytes, fmt)
-    return ObjectData(meta, arr.reshape(-1).view(np.uint8).data)
+    if arr.flags.c_contiguous:
+        return ObjectData(meta, arr.reshape(-1).view(np.uint8).data)
+    # Strided: copied later, straight into its destination (off the event loop).
+    return ObjectData(meta, None, array=arr)
 
 
 def _tensor_data(t: torch.Tensor, fmt: int) -> ObjectData:
@@ -154,14 +169,30 @@ def _tensor_data(t: torch.Tensor, fmt: int) -> ObjectData:
     return ObjectData(meta, None, t)
 
 
+MAX_DIMS = 32  # numpy 1.x's limit; no KV layout comes close
+
+
 def check_meta(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
-    """Raise ``Unsupported``/``ValueError`` when metadata cannot describe ``nbytes`` bytes."""
+    """Raise ``ValueError`` unless the metadata can describe ``nbytes`` bytes of ``kind``.
+
+    Metadata read back from a backend goes through this before any object is built, so a
+    hostile header cannot produce an object of another kind, an exotic numpy dtype or a crash.
+    """
     itemsize = ITEMSIZE.get(dtype)
     if itemsize is None:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise ValueError(f"bad shape {shape}")
+    if kind in ("bytes", "bytearray", "memoryview"):
+        if dtype != "uint8" or len(shape) != 1:
+            raise ValueError(f"{kind} objects are 1-D uint8, not {dtype} {shape}")
+    elif kind == "ndarray":
         try:
-            itemsize = np.dtype(dtype).itemsize
+            np.dtype(dtype)
         except TypeError:
-            raise Unsupported(f"unknown dtype {dtype!r}") from None
+            raise ValueError(f"numpy has no dtype {dtype!r}") from None
+    elif kind != "tensor":
+        raise ValueError(f"unknown object kind {kind!r}")
     if math.prod(shape) * itemsize != nbytes:
         raise ValueError(f"shape {shape} of {dtype} does not match {nbytes} bytes")
 

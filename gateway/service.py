@@ -29,6 +29,7 @@ from gateway.errors import (
 )
 from gateway.objects import HAS_TORCH, ITEMSIZE, to_object_data
 from gateway.store import ConfigSource, Store
+from gateway.tiers import offload
 
 DEFAULT_MAX_BODY = 1 << 30
 H_KIND, H_DTYPE, H_SHAPE = "x-kvgate-kind", "x-kvgate-dtype", "x-kvgate-shape"
@@ -125,7 +126,8 @@ def create_app(config: ConfigSource = None, *, max_body: int = DEFAULT_MAX_BODY)
             H_DTYPE: data.meta.dtype,
             H_SHAPE: ",".join(str(d) for d in data.meta.shape),
         }
-        return Response(bytes(data.host()), media_type="application/octet-stream", headers=headers)
+        body = await offload(data.meta.nbytes, lambda: bytes(data.host()))
+        return Response(body, media_type="application/octet-stream", headers=headers)
 
     @app.head("/v1/objects/{key:path}")
     async def head_object(key: str) -> Response:

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Self
 from urllib.parse import urlsplit
 
@@ -43,6 +43,16 @@ KeyLike = Key | str
 ConfigSource = StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 
 
+class _Fetch:
+    """One in-flight fetch of a key, shared by every get that asks while it runs."""
+
+    __slots__ = ("future", "stale")
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[Found | None]
+        self.stale = False  # a put or delete came after it started: do not promote
+
+
 class Store:
     """The tiered KV-cache store. Cheap to build; opened by ``async with`` or ``open()``."""
 
@@ -56,8 +66,10 @@ class Store:
         self.tiers: list[ConnectorTier] = []
         self.writers: list[TierWriter] = []
         self.pool: BufferPool | None = None
-        self._fetching: dict[str, asyncio.Future[Found | None]] = {}
-        self._stale: set[str] = set()  # keys whose in-flight fetch must not be promoted
+        self._fetching: dict[str, _Fetch] = {}
+        self._active = 0  # puts and deletes in progress; close() waits for them
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._background: set[asyncio.Task[Any]] = set()
         self._space = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -157,6 +169,7 @@ class Store:
         self._closed = True
         if not self._opened:
             return
+        await self._idle.wait()  # puts already accepted finish queueing their writes
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -169,6 +182,19 @@ class Store:
                 await tier.connector.close()
             except Exception as exc:
                 log.warning("tier %s: close failed: %s", tier.name, exc)
+
+    @contextlib.asynccontextmanager
+    async def _operation(self) -> AsyncIterator[None]:
+        """A put or delete: refused once closing began, and waited for by close()."""
+        await self._ready()
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
 
     async def _ready(self) -> None:
         if self._closed:
@@ -230,23 +256,30 @@ class Store:
         """Store ``obj`` under ``key`` in every tier (lower tiers asynchronously)."""
         k = normalize_key(key)
         data = to_object_data(obj, fmt)
-        await self._ready()
         nbytes = data.meta.nbytes
-        slab = await self._alloc(nbytes)
-        if slab is None:
-            await self._put_direct(k, data, ttl)
-            return
-        try:  # the put's own slab reference, released below whatever happens
-            await offload(nbytes, data.copy_into, slab.view())
-            self._invalidate_fetch(k)
-            if self.l1 is not None:  # first, so that a get during the queue waits sees it
-                self.l1.insert(k, data.meta, slab.acquire(), expires_at=_expiry(ttl, self._l1_ttl))
-            for writer in self.writers:
-                await writer.submit(WriteJob(k, data.meta, slab.acquire(), ttl))
-        finally:
-            slab.release()
+        if nbytes > self.config.max_object_size:
+            raise CapacityError(
+                f"object of {nbytes} bytes exceeds max_object_size ({self.config.max_object_size})"
+            )
+        async with self._operation():
+            # An explicit ttl applies everywhere; otherwise each tier uses its own default.
+            expires_at = _expiry(ttl, None)
+            slab = await self._alloc(nbytes)
+            if slab is None:
+                await self._put_direct(k, data, expires_at)
+                return
+            try:  # the put's own slab reference, released below whatever happens
+                await offload(nbytes, data.copy_into, slab.view())
+                self._invalidate_fetch(k)
+                if self.l1 is not None:  # first, so that a get during the queue waits sees it
+                    l1_expires = _expiry(ttl, self._l1_ttl)
+                    self.l1.insert(k, data.meta, slab.acquire(), expires_at=l1_expires)
+                for writer in self.writers:
+                    await writer.submit(WriteJob(k, data.meta, slab.acquire(), expires_at))
+            finally:
+                slab.release()
 
-    async def _put_direct(self, key: str, data: ObjectData, ttl: float | None) -> None:
+    async def _put_direct(self, key: str, data: ObjectData, expires_at: float | None) -> None:
         """Write every lower tier from the caller's memory (object too big for the pool)."""
         if not self.tiers:
             assert self.pool is not None
@@ -259,13 +292,15 @@ class Store:
             self.l1.remove(key)  # an older version must not shadow this one
         for writer in self.writers:
             await writer.barrier(key)
+        ttl = None if expires_at is None else max(expires_at - time.time(), 0.001)
         results = await asyncio.gather(
             *(tier.write(key, data, ttl) for tier in self.tiers), return_exceptions=True
         )
+        for writer, result in zip(self.writers, results, strict=True):
+            writer.settled(key, not isinstance(result, BaseException))
+            if isinstance(result, BaseException) and not isinstance(result, GatewayError):
+                writer.tier.stats.count_error("internal")
         errors = [r for r in results if isinstance(r, BaseException)]
-        for tier, r in zip(self.tiers, results, strict=True):
-            if isinstance(r, BaseException) and not isinstance(r, GatewayError):
-                tier.stats.count_error("internal")
         if len(errors) == len(results):
             raise (
                 errors[0]
@@ -287,44 +322,50 @@ class Store:
             entry = self.l1.lookup(k)
             if entry is not None:
                 meta = entry.meta
-                if meta.kind in ("bytes", "bytearray"):
-                    return to_object(meta, entry.slab.view(entry.offset, meta.nbytes))
+                if meta.kind in ("bytes", "bytearray"):  # a copy: no lease to keep
+                    view = entry.slab.view(entry.offset, meta.nbytes)
+                    return await offload(meta.nbytes, to_object, meta, view)
                 return to_object(meta, entry.slab.lease(entry.offset, meta.nbytes))
         found = await self._fetch_shared(k)
-        return None if found is None else found.to_object()
+        if found is None:
+            return None
+        return await offload(found.meta.nbytes, found.to_object)
 
     async def get_many(self, keys: Sequence[KeyLike]) -> list[object | None]:
         return list(await asyncio.gather(*(self.get(k) for k in keys)))
 
     async def _fetch_shared(self, key: str) -> Found | None:
-        fut = self._fetching.get(key)
-        if fut is None:
-            fut = asyncio.ensure_future(self._fetch(key))
-            self._fetching[key] = fut
-            fut.add_done_callback(lambda _f: self._fetch_done(key))
-        return await asyncio.shield(fut)
+        state = self._fetching.get(key)
+        if state is None:
+            state = _Fetch()
+            state.future = asyncio.ensure_future(self._fetch(key, state))
+            self._fetching[key] = state
+            state.future.add_done_callback(lambda _f: self._fetch_done(key, state))
+        return await asyncio.shield(state.future)
 
-    def _fetch_done(self, key: str) -> None:
-        self._fetching.pop(key, None)
-        self._stale.discard(key)
+    def _fetch_done(self, key: str, state: _Fetch) -> None:
+        if self._fetching.get(key) is state:
+            del self._fetching[key]
 
     def _invalidate_fetch(self, key: str) -> None:
-        """A put or delete of ``key`` while it is being fetched: the fetched (older) object
-        still answers the gets that asked before, but must not be promoted into L1."""
-        if key in self._fetching:
-            self._stale.add(key)
+        """A put or delete of ``key`` while it is being fetched: that fetch still answers the
+        gets that asked before, but later gets start a new one and it is not promoted."""
+        state = self._fetching.pop(key, None)
+        if state is not None:
+            state.stale = True
 
-    async def _fetch(self, key: str) -> Found | None:
+    async def _fetch(self, key: str, state: _Fetch) -> Found | None:
         for writer in self.writers:  # read your own writes while they are still queued
             job = writer.pending(key)
             if job is not None:
-                expires_at = _expiry(job.ttl, self._l1_ttl)
-                queued = Found(job.meta, slab=job.slab.acquire(), expires_at=expires_at)
-                self._promote(key, queued)
+                queued = Found(job.meta, slab=job.slab.acquire(), expires_at=job.expires_at)
+                self._promote(key, queued, state)
                 return queued
-        for tier in self.tiers:
+        for writer, tier in zip(self.writers, self.tiers, strict=True):
+            if key in writer.stale:  # this tier may hold an older version: not served
+                continue
             try:
-                found = await tier.read(key, self._alloc_now)
+                found = await tier.read(key, self._alloc_now, self.config.max_object_size)
             except GatewayError as exc:  # counted by the metrics layer; a miss for the caller
                 log.debug("tier %s: get failed (%s): %s", tier.name, exc.kind, exc)
                 continue
@@ -333,12 +374,12 @@ class Store:
                 log.exception("tier %s: get failed", tier.name)
                 continue
             if found is not None:
-                self._promote(key, found)
+                self._promote(key, found, state)
                 return found
         return None
 
-    def _promote(self, key: str, found: Found) -> None:
-        if key in self._stale:
+    def _promote(self, key: str, found: Found, state: _Fetch) -> None:
+        if state.stale:
             return
         if self.l1 is not None and found.slab is not None and key not in self.l1:
             slab = found.slab.acquire()
@@ -353,21 +394,28 @@ class Store:
     async def delete(self, key: KeyLike) -> bool:
         """Remove ``key`` from every tier; True when any tier held it."""
         k = normalize_key(key)
-        await self._ready()
-        self._invalidate_fetch(k)
-        removed = self.l1.remove(k) if self.l1 is not None else False
-        for writer in self.writers:
-            removed = (writer.pending(k) is not None) or removed
-            await writer.barrier(k)
-        for tier in self.tiers:
-            try:
-                removed = await tier.delete(k) or removed
-            except GatewayError as exc:
-                log.warning("tier %s: delete failed (%s): %s", tier.name, exc.kind, exc)
-        return removed
+        async with self._operation():
+            self._invalidate_fetch(k)
+            removed = self.l1.remove(k) if self.l1 is not None else False
+            for writer in self.writers:
+                removed = (writer.pending(k) is not None) or removed
+                await writer.barrier(k)
+            for writer, tier in zip(self.writers, self.tiers, strict=True):
+                try:
+                    removed = await tier.delete(k) or removed
+                except GatewayError as exc:
+                    log.warning("tier %s: delete failed (%s): %s", tier.name, exc.kind, exc)
+                    writer.settled(k, False)
+                else:
+                    writer.settled(k, True)
+            return removed
 
     async def lookup(self, keys: Sequence[KeyLike]) -> int:
-        """How many leading ``keys`` are stored, continuing the prefix from tier to tier."""
+        """How many leading ``keys`` are stored, continuing the prefix from tier to tier.
+
+        Lower tiers answer from existence checks, so an object whose TTL ran out there still
+        counts until a get reads it (and drops it); a get can always miss after a lookup.
+        """
         return sum(n for _, n in await self.lookup_detail(keys))
 
     async def lookup_detail(self, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
@@ -383,7 +431,7 @@ class Store:
         else:
             while n < len(ks) and self._pending(ks[n]):
                 n += 1
-        for tier in self.tiers:
+        for writer, tier in zip(self.writers, self.tiers, strict=True):
             if n == len(ks):
                 detail.append((tier.name, 0))
                 continue
@@ -393,8 +441,8 @@ class Store:
                 log.debug("tier %s: exists failed (%s): %s", tier.name, exc.kind, exc)
                 flags = []
             run = 0
-            for flag in flags:
-                if not flag:
+            for k, flag in zip(ks[n:], flags, strict=False):
+                if not flag or k in writer.stale:
                     break
                 run += 1
             detail.append((tier.name, run))

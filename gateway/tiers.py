@@ -197,8 +197,8 @@ class ConnectorTier:
     async def write(self, key: str, obj: ObjectData, ttl: float | None = None) -> None:
         meta = obj.meta
         limit = self.connector.capabilities.max_object_size
-        if self.codec.name == "raw":
-            payload: Any = obj.host()
+        if self.codec.name == "raw":  # host() copies only GPU or strided objects
+            payload: Any = await offload(meta.nbytes, obj.host)
             params: dict[str, Any] = {}
         else:
             payload, params = await offload(meta.nbytes, self.codec.encode, obj)
@@ -217,17 +217,25 @@ class ConnectorTier:
         )
         await self.connector.put(key, [head, *parts])
 
-    async def read(self, key: str, alloc: Callable[[int], Slab | None]) -> Found | None:
-        """The verified, decoded object, or None (miss, corrupt or expired: counted)."""
+    async def read(
+        self, key: str, alloc: Callable[[int], Slab | None], max_size: int
+    ) -> Found | None:
+        """The verified, decoded object, or None (miss, corrupt or expired: counted).
+
+        ``max_size`` bounds what a header may claim, so a hostile or corrupted frame cannot
+        make a codec allocate more than any object the store accepts.
+        """
         try:
-            return await self._read(key, alloc)
+            return await self._read(key, alloc, max_size)
         except CorruptObject as exc:
             self.stats.corrupt += 1
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
             await self._discard(key)
             return None
 
-    async def _read(self, key: str, alloc: Callable[[int], Slab | None]) -> Found | None:
+    async def _read(
+        self, key: str, alloc: Callable[[int], Slab | None], max_size: int
+    ) -> Found | None:
         frame_slab: list[Slab] = []
 
         def alloc_frame(n: int) -> memoryview | None:
@@ -246,11 +254,15 @@ class ConnectorTier:
                 return None
             size = memoryview(blob).nbytes
             header, payload = await offload(size, decode_frame, blob)
+            if header.raw_len > max_size:
+                raise CorruptObject(f"frame claims {header.raw_len} bytes, over {max_size}")
             meta = _meta_of(header)
             if header.expired():
                 await self._discard(key)
                 return None
             if frame_slab and header.codec == "raw":
+                if payload.nbytes != header.raw_len:
+                    raise CorruptObject("raw payload length differs from the object's length")
                 # get_into read the frame into the slab alloc gave it (the contract says it
                 # must when alloc gives one): the payload is used in place, no copy.
                 slab = frame_slab.pop()

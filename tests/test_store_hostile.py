@@ -1,0 +1,95 @@
+"""Frames with valid checksums but hostile headers are counted misses, never wrong objects."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from connectors.memory import MemoryConnector
+from gateway import CapacityError, Store
+from gateway.frame import encode_header
+
+
+def plant(
+    conn: MemoryConnector,
+    key: str,
+    codec: str,
+    kind: str,
+    dtype: str,
+    shape: list[int],
+    raw_len: int,
+    payload: bytes,
+) -> None:
+    head, _ = encode_header(
+        codec=codec,
+        kind=kind,
+        dtype=dtype,
+        shape=shape,  # type: ignore[arg-type]
+        raw_len=raw_len,
+        payload=payload,
+    )
+    conn.objects[key] = head + payload
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "shape", "payload"),
+    [
+        ("tensor", "float", [2], b"\0" * 16),  # a numpy name, not ours
+        ("ndarray", "O", [2], b"\x01" * 16),  # object arrays
+        ("ndarray", "uint8", [1] * 70, b"\0"),  # too many dimensions
+        ("ndarray", "U2", [2], "abcd".encode("utf-32-le")),  # strings
+        ("ndarray", "M8[s]", [1], b"\0" * 8),  # datetimes
+        ("bytes", "float32", [4], b"\0" * 16),  # bytes are 1-D uint8
+        ("pickle", "uint8", [3], b"abc"),  # unknown kind
+        ("tensor", "float32", [5], b"\0" * 16),  # shape does not match the length
+    ],
+)
+async def test_hostile_metadata_is_a_counted_miss(
+    kind: str, dtype: str, shape: list[int], payload: bytes
+) -> None:
+    conn = MemoryConnector()
+    async with Store({"tiers": [{"url": "memory://x"}]}, connectors={0: conn}) as store:
+        plant(conn, "k", "raw", kind, dtype, shape, len(payload), payload)
+        assert await store.get("k") is None
+        assert store.stats()["memory"].corrupt == 1
+
+
+async def test_raw_length_beyond_the_payload_never_reads_a_neighbour(tmp_path: Path) -> None:
+    cfg = {"tiers": [{"url": "memory://", "capacity": 1 << 20}, {"url": f"file://{tmp_path}"}]}
+    async with Store(cfg) as store:
+        await store.put("pad", b"p" * 200)
+        await store.put("secret", b"TOP-SECRET " * 20)
+        await store.flush()
+        assert store.l1 is not None
+        store.l1.remove("pad")
+        payload = b"hello, world!!!!"
+        head, _ = encode_header(
+            codec="raw", kind="bytes", dtype="uint8", shape=[400], raw_len=400, payload=payload
+        )
+        await store.tiers[0].connector.put("evil", [head, payload])
+        assert await store.get("evil") is None
+        assert store.stats()["file"].corrupt == 1
+
+
+async def test_decompression_bomb_is_refused() -> None:
+    claimed = 3 << 30
+    cobj = zstandard.ZstdCompressor(level=1).compressobj(size=claimed)
+    chunk = bytes(64 << 20)
+    payload = b"".join(cobj.compress(chunk) for _ in range(claimed // len(chunk))) + cobj.flush()
+    conn = MemoryConnector()
+    plant(conn, "k", "zstd", "bytes", "uint8", [claimed], claimed, payload)
+    cfg = {"tiers": [{"url": f"memory://{uuid.uuid4().hex}", "codec": "zstd"}]}
+    async with Store(cfg, connectors={0: conn}) as store:
+        assert await store.get("k") is None
+        assert next(iter(store.stats().values())).corrupt == 1
+
+
+async def test_oversized_put_is_refused_clearly() -> None:
+    cfg = {"tiers": [{"url": "memory://"}], "max_object_size": "1MiB"}
+    async with Store(cfg) as store:
+        with pytest.raises(CapacityError, match="max_object_size"):
+            await store.put("k", b"x" * (2 << 20))
+        assert await store.get("k") is None

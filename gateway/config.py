@@ -6,7 +6,9 @@ Sources, in the order ``load_config`` applies them:
    file named by ``KVGATE_CONFIG``, else LMCache's environment (``LMCACHE_CONFIG_FILE`` and
    ``LMCACHE_<KEY>``) when any of it is set, else the embedded defaults. A mapping or file that
    uses LMCache's keys (``local_cpu``, ``max_local_disk_size``, ``remote_url``, ...) is mapped
-   onto kvgate's tiers; LMCache keys kvgate has no use for are skipped with one warning.
+   onto kvgate's tiers; LMCache keys kvgate has no use for are skipped with one warning. The
+   LMCache support (detection, ``load_lmcache_env``, ``map_lmcache_config``) lives in
+   ``gateway.lmcache_config``; this module re-exports its public functions.
 2. ``KVGATE_*`` environment overrides, except for a ``StoreConfig`` passed in (it is final).
    The rule: ``KVGATE_<FIELD>`` sets a top-level field of ``StoreConfig``; ``__`` descends, so
    ``KVGATE_TIERS__0__TIMEOUT=2`` sets ``tiers[0].timeout`` and
@@ -50,7 +52,16 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.config_source import Origins, as_mapping, read_yaml
 from gateway.errors import ConfigError
+from gateway.lmcache_config import (
+    is_lmcache_key,
+    lmcache_env_present,
+    load_lmcache_env,
+    looks_like_lmcache,
+    map_lmcache_config,
+    map_lmcache_with_origins,
+)
 
 __all__ = [
     "EVICTION_POLICIES",
@@ -385,10 +396,6 @@ def dump_config(cfg: StoreConfig) -> str:
 # --------------------------------------------------------------------------------------------
 # Validation errors
 
-# Where a value at a location came from, for error messages: ("tiers", 0, "timeout") ->
-# "KVGATE_TIERS__0__TIMEOUT" or the LMCache key it was mapped from.
-_Origins = dict[tuple[str | int, ...], str]
-
 
 def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
     """The model class whose field ``loc`` points into, for "did you mean" hints."""
@@ -423,7 +430,7 @@ def _describe(err: Mapping[str, Any]) -> str:
     return str(err["msg"]).removeprefix("Value error, ")
 
 
-def _config_error(exc: ValidationError, origin: str, origins: _Origins) -> ConfigError:
+def _config_error(exc: ValidationError, origin: str, origins: Origins) -> ConfigError:
     lines: list[str] = []
     for err in exc.errors(include_url=False, include_input=False):
         loc = tuple(err["loc"])
@@ -438,260 +445,12 @@ def _config_error(exc: ValidationError, origin: str, origins: _Origins) -> Confi
     return ConfigError(f"invalid kvgate config ({origin}): " + "; ".join(lines))
 
 
-def _validate(data: Mapping[str, Any], origin: str, origins: _Origins) -> StoreConfig:
+def _validate(data: Mapping[str, Any], origin: str, origins: Origins) -> StoreConfig:
     try:
         return StoreConfig.model_validate(data)
     except ValidationError as exc:
         # "from None": the ValidationError would print the inputs in a traceback's cause.
         raise _config_error(exc, origin, origins) from None
-
-
-# --------------------------------------------------------------------------------------------
-# Files
-
-
-def _read_yaml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
-    text_path = os.fspath(path)
-    if "\n" in text_path:
-        raise ConfigError(
-            f"{what}: expected a path to a YAML file, got text with a newline; "
-            "pass a mapping (for example yaml.safe_load(text)) for inline YAML"
-        )
-    file = Path(text_path).expanduser()
-    if not file.is_file():
-        state = "is not a file" if file.exists() else "does not exist"
-        raise ConfigError(f"{what}: config file {str(file)!r} {state}")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{what}: cannot read {str(file)!r}: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        # Only the position and the problem: PyYAML's own message quotes the offending line,
-        # which may hold a password.
-        mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{what}: {str(file)!r} is not valid YAML{where}: {problem}") from None
-    if data is None:
-        return {}
-    return _as_mapping(data, f"{what} {str(file)!r}")
-
-
-def _as_mapping(data: Any, what: str) -> dict[str, Any]:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{what}: the top level must be a mapping, got {type(data).__name__}")
-    bad = [repr(k) for k in data if not isinstance(k, str)]
-    if bad:
-        raise ConfigError(f"{what}: keys must be strings, got {', '.join(bad)}")
-    return dict(data)
-
-
-# --------------------------------------------------------------------------------------------
-# LMCache compatibility
-
-_LMCACHE_BOOL_KEYS = frozenset({"local_cpu", "save_unfull_chunk"})
-_LMCACHE_INT_KEYS = frozenset({"chunk_size", "blocking_timeout_secs"})
-_LMCACHE_FLOAT_KEYS = frozenset({"max_local_cpu_size", "max_local_disk_size"})
-_LMCACHE_STR_KEYS = frozenset({"local_disk", "remote_url", "remote_serde", "cache_policy"})
-# The LMCache keys kvgate maps (chunk_size too, but it is kvgate's own key as well).
-_LMCACHE_MAPPED = _LMCACHE_BOOL_KEYS | _LMCACHE_INT_KEYS | _LMCACHE_FLOAT_KEYS | _LMCACHE_STR_KEYS
-# Well-known LMCache keys kvgate ignores; they also mark a mapping as LMCache-shaped, so that a
-# file holding only, say, use_layerwise still reads as LMCache's rather than as a typo.
-# fmt: off
-_LMCACHE_OTHER = frozenset({
-    "use_layerwise", "save_decode_cache", "enable_blending", "enable_p2p", "enable_controller",
-    "enable_pd", "enable_xpyd", "local_cpu_use_hugepages", "reserve_local_cpu_size",
-    "local_disk_path_sharding", "pre_caching_hash_algorithm", "extra_config",
-    "external_lookup_client", "py_enable_gc", "numa_mode", "enable_async_loading",
-    "priority_limit", "lookup_timeout_ms", "min_retrieve_tokens", "storage_plugins",
-    "remote_storage_plugins", "runtime_plugin_locations", "audit_actual_remote_url",
-    "weka_path", "cufile_buffer_size", "transfer_channel", "retrieve_locations",
-    "store_location", "use_gds", "mp_host", "mp_port",
-})
-_LMCACHE_PREFIXES = (
-    "blend_", "p2p_", "pd_", "nixl_", "gds_", "lmcache_", "controller_",
-    "internal_api_server_", "maru_",
-)
-# fmt: on
-_LMCACHE_SERDE = {"naive": "raw", "kivi": "kivi", "cachegen": "cachegen"}
-_LMCACHE_BLOCKING_TIMEOUT = 10.0  # LMCache's default blocking_timeout_secs
-_GIB = 1024**3  # LMCache's "GB" sizes are int(size * 1024**3)
-# LMCACHE_* variables that configure LMCache's process rather than its cache.
-_LMCACHE_PROCESS_ENV = frozenset({
-    "LMCACHE_CONFIG_FILE", "LMCACHE_DISABLE_BANNER", "LMCACHE_LOG_LEVEL",
-    "LMCACHE_TRACK_USAGE", "LMCACHE_USE_EXPERIMENTAL",
-})  # fmt: skip
-_TRUE = frozenset({"true", "1", "yes", "y", "on"})
-_FALSE = frozenset({"false", "0", "no", "n", "off"})
-
-
-def _is_lmcache_key(key: str) -> bool:
-    return key in _LMCACHE_MAPPED or key in _LMCACHE_OTHER or key.startswith(_LMCACHE_PREFIXES)
-
-
-def _looks_like_lmcache(data: Mapping[str, Any]) -> bool:
-    return any(k != "chunk_size" and _is_lmcache_key(k) for k in data)
-
-
-def _lm_bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ConfigError(f"LMCache key {key}: expected true or false")
-
-
-def _lm_gib(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"LMCache key {key}: expected a size in GB (a number)")
-    try:
-        size = float(value)
-    except ValueError:
-        raise ConfigError(f"LMCache key {key}: expected a size in GB (a number)") from None
-    if not size >= 0 or size == float("inf"):  # also rejects NaN
-        raise ConfigError(f"LMCache key {key}: must be a non-negative number of GB")
-    return int(size * _GIB)
-
-
-def _lm_disk_url(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError("LMCache key local_disk: expected a path or a file:// URL")
-    # LMCache strips "file://" and keeps the rest as a path, so "file://local_disk/" is the
-    # relative directory local_disk/ and "file:///mnt/x/" is /mnt/x/.
-    path = value.strip().removeprefix("file://")
-    if "," in path:
-        raise ConfigError(
-            "LMCache key local_disk: several comma-separated paths are not supported; "
-            "configure one file:// tier per directory instead"
-        )
-    return "file://" + os.path.abspath(os.path.expanduser(path))
-
-
-def map_lmcache_config(lm: Mapping[str, Any]) -> dict[str, Any]:
-    """kvgate's config mapping (for ``load_config``) equivalent to an LMCache config.
-
-    ``local_cpu``/``max_local_cpu_size`` become a ``memory://`` tier, ``local_disk``/
-    ``max_local_disk_size`` a ``file://`` tier (only when the size is above 0, as in LMCache),
-    ``remote_url`` a third tier with ``remote_serde``'s codec and ``blocking_timeout_secs``
-    as its timeout. ``cache_policy`` is the eviction of both local tiers, as in LMCache.
-    """
-    return _map_lmcache(lm)[0]
-
-
-def _map_lmcache(lm: Mapping[str, Any]) -> tuple[dict[str, Any], _Origins]:
-    """``map_lmcache_config`` plus which LMCache key each value came from (for errors)."""
-    ignored = sorted(k for k in lm if k not in _LMCACHE_MAPPED)
-    if ignored:
-        # Names only: values of keys we do not understand may be secrets.
-        logger.warning("ignoring LMCache config keys kvgate does not use: %s", ", ".join(ignored))
-    policy = lm.get("cache_policy", "LRU")
-    tiers: list[dict[str, Any]] = []
-    origins: _Origins = {}
-    if _lm_bool(lm.get("local_cpu", True), "local_cpu"):
-        tiers.append(
-            {
-                "url": "memory://",
-                "capacity": _lm_gib(lm.get("max_local_cpu_size", 5.0), "max_local_cpu_size"),
-                "eviction": policy,
-            }
-        )
-        origins[("tiers", 0, "capacity")] = "LMCache key max_local_cpu_size"
-        origins[("tiers", 0, "eviction")] = "LMCache key cache_policy"
-    if lm.get("local_disk"):
-        size = _lm_gib(lm.get("max_local_disk_size", 0.0), "max_local_disk_size")
-        if size > 0:
-            origins[("tiers", len(tiers), "eviction")] = "LMCache key cache_policy"
-            tiers.append(
-                {"url": _lm_disk_url(lm["local_disk"]), "capacity": size, "eviction": policy}
-            )
-        else:
-            logger.warning(
-                "LMCache key local_disk is set but max_local_disk_size is 0: "
-                "no disk tier (LMCache skips its disk backend too)"
-            )
-    if remote := lm.get("remote_url"):
-        serde = str(lm.get("remote_serde") or "naive").strip().lower()
-        if serde not in _LMCACHE_SERDE:
-            raise ConfigError(
-                f"LMCache key remote_serde: unknown serde {serde!r}; "
-                f"expected one of {', '.join(_LMCACHE_SERDE)}"
-            )
-        origins[("tiers", len(tiers), "url")] = "LMCache key remote_url"
-        origins[("tiers", len(tiers), "timeout")] = "LMCache key blocking_timeout_secs"
-        tiers.append(
-            {
-                "url": remote,
-                "codec": _LMCACHE_SERDE[serde],
-                "timeout": lm.get("blocking_timeout_secs", _LMCACHE_BLOCKING_TIMEOUT),
-            }
-        )
-    if not tiers:
-        raise ConfigError(
-            "LMCache config enables no storage: set local_cpu, local_disk with "
-            "max_local_disk_size > 0, or remote_url"
-        )
-    out: dict[str, Any] = {"tiers": tiers}
-    if "chunk_size" in lm:
-        out["chunk_size"] = lm["chunk_size"]
-    if "save_unfull_chunk" in lm:
-        out["save_partial_chunks"] = lm["save_unfull_chunk"]
-        origins[("save_partial_chunks",)] = "LMCache key save_unfull_chunk"
-    return out, origins
-
-
-def _lm_env_value(name: str, key: str, raw: str) -> Any:
-    text = raw.strip()
-    try:
-        if key in _LMCACHE_BOOL_KEYS:
-            return _lm_bool(text, key)
-        if key in _LMCACHE_INT_KEYS:
-            return int(text)
-        if key in _LMCACHE_FLOAT_KEYS:
-            return float(text)
-    except (ValueError, ConfigError):
-        kind = "true or false" if key in _LMCACHE_BOOL_KEYS else "a number"
-        raise ConfigError(f"{name}: expected {kind}") from None
-    if key in _LMCACHE_STR_KEYS:
-        return raw
-    # A key kvgate does not map (it is only listed as ignored): a best-effort typed value.
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return raw
-
-
-def load_lmcache_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """LMCache's config from the environment, as LMCache reads it, with LMCache's key names.
-
-    ``LMCACHE_CONFIG_FILE`` names a YAML file; ``LMCACHE_<KEY>`` variables override its keys
-    (``LMCACHE_LOCAL_CPU=true``, ``LMCACHE_MAX_LOCAL_CPU_SIZE=5.0``, ...). Pass the result to
-    ``load_config`` or ``map_lmcache_config``.
-    """
-    env = os.environ if env is None else env
-    data: dict[str, Any] = {}
-    if file := env.get("LMCACHE_CONFIG_FILE"):
-        data.update(_read_yaml(file, "LMCACHE_CONFIG_FILE"))
-    for name in sorted(env):
-        if name.startswith("LMCACHE_") and name not in _LMCACHE_PROCESS_ENV:
-            key = name.removeprefix("LMCACHE_").lower()
-            if key:
-                data[key] = _lm_env_value(name, key, env[name])
-    return data
-
-
-def _lmcache_env_present(env: Mapping[str, str]) -> bool:
-    # Only cache keys count: LMCACHE_DISABLE_BANNER and the like say nothing about storage.
-    return bool(env.get("LMCACHE_CONFIG_FILE")) or any(
-        f"LMCACHE_{key.upper()}" in env for key in _LMCACHE_MAPPED
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -738,9 +497,9 @@ def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, tuple[str, ...], A
     return found
 
 
-def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], _Origins]:
+def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], Origins]:
     overrides = _env_overrides(env)
-    origins: _Origins = {}
+    origins: Origins = {}
     if not overrides:
         return data, origins
     data = copy.deepcopy(data)  # never mutate the caller's mapping
@@ -802,31 +561,31 @@ def load_config(
     force_lmcache = False
     if source is None:
         if path := env.get("KVGATE_CONFIG"):
-            data, origin = _read_yaml(path, "KVGATE_CONFIG"), f"KVGATE_CONFIG file {path!r}"
-        elif _lmcache_env_present(env):
+            data, origin = read_yaml(path, "KVGATE_CONFIG"), f"KVGATE_CONFIG file {path!r}"
+        elif lmcache_env_present(env):
             data, origin, force_lmcache = load_lmcache_env(env), "LMCACHE_* environment", True
         else:
             data, origin = {}, "defaults"
     elif isinstance(source, Mapping):
-        data, origin = _as_mapping(source, "config mapping"), "mapping"
+        data, origin = as_mapping(source, "config mapping"), "mapping"
     elif isinstance(source, str | os.PathLike):
-        data, origin = _read_yaml(source, "config"), f"file {os.fspath(source)!r}"
+        data, origin = read_yaml(source, "config"), f"file {os.fspath(source)!r}"
     else:
         raise ConfigError(
             "config source must be a StoreConfig, a mapping, a path to a YAML file or None, "
             f"got {type(source).__name__}"
         )
 
-    origins: _Origins = {}
-    if force_lmcache or _looks_like_lmcache(data):
+    origins: Origins = {}
+    if force_lmcache or looks_like_lmcache(data):
         own = sorted(k for k in data if k in StoreConfig.model_fields and k != "chunk_size")
         if own:
-            lm_keys = sorted(k for k in data if k != "chunk_size" and _is_lmcache_key(k))
+            lm_keys = sorted(k for k in data if k != "chunk_size" and is_lmcache_key(k))
             raise ConfigError(
                 f"{origin}: mixes kvgate keys ({', '.join(own)}) with LMCache keys "
                 f"({', '.join(lm_keys)}); use one format"
             )
-        data, origins = _map_lmcache(data)
+        data, origins = map_lmcache_with_origins(data)
         origin = f"{origin}, LMCache format"
     elif "tiers" not in data:
         data = {**data, "tiers": _default_tier_dicts(env)}

@@ -7,19 +7,23 @@ policy applies: ``wait`` (the put waits for room) or ``skip`` (the write is drop
 counted).
 
 Ordering of one key's writes, whatever the number of workers, rests on one rule: ``latest[key]``
-is the newest write intent (a job, or a barrier for a delete), registered before the job waits
-for queue room. A worker writes a job only if it is still the latest, and only once no other
-write of that key is running; anything older is skipped. So an older write never lands after a
+is the newest write intent, registered before anything waits. A queued job is written only if
+it is still the latest, and only once nothing else of that key runs in the tier (``running``);
+anything older is skipped. The store's own operations on the tier (a delete, or the direct
+write of an object too big for the pool) take part through a ``Hold``: it becomes the latest
+intent and occupies ``running`` while the operation runs. So an older write never lands after a
 newer one or after a delete.
 
-A key whose newest write could not be made (skipped by back-pressure, or failed) is *stale* in
-that tier: the tier may still hold an older version, so the store does not read the key from it
-until a later write or delete of the key succeeds.
+A key is *stale* in a tier while the tier may hold an older version than the newest accepted:
+from the moment a hold is taken until its operation succeeds, and after a write that was
+skipped by back-pressure, failed or was cancelled. The store never reads a stale key from that
+tier; the next successful write or delete of the key clears it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,6 +38,17 @@ log = logging.getLogger("kvgate.jobs")
 MAX_STALE_KEYS = 1 << 20  # past this, a full queue makes puts wait instead of skipping
 
 
+SUPERSEDED_POLL = 0.05  # seconds: how soon a waiting write notices it was superseded
+
+
+async def _wait_briefly(event: asyncio.Event) -> None:
+    """Wait for ``event``, but at most SUPERSEDED_POLL, so a waiter re-checks whether it was
+    superseded instead of holding its worker until a slow write of the key finishes."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(SUPERSEDED_POLL):
+            await event.wait()
+
+
 @dataclass(eq=False, slots=True)
 class WriteJob:
     key: str
@@ -46,10 +61,13 @@ class WriteJob:
         return ObjectData(self.meta, self.slab.view())
 
 
-class Barrier:
-    """A write intent that writes nothing: queued writes older than it are skipped."""
+class Hold:
+    """The store's own operation on a key in the tier (a delete, a direct write)."""
 
-    __slots__ = ()
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
 
 
 class TierWriter:
@@ -59,8 +77,8 @@ class TierWriter:
         self.tier = tier
         self.backpressure = backpressure
         self.queue: asyncio.Queue[WriteJob | None] = asyncio.Queue(queue_size)
-        self.latest: dict[str, WriteJob | Barrier] = {}
-        self.running: dict[str, WriteJob] = {}
+        self.latest: dict[str, WriteJob | Hold] = {}
+        self.running: dict[str, WriteJob | Hold] = {}
         self.stale: set[str] = set()
         self.in_flight = 0
         self.closed = False
@@ -87,10 +105,12 @@ class TierWriter:
                 await self.queue.put(job)
         except asyncio.QueueFull:
             self.tier.stats.skipped_writes += 1
-            self.stale.add(job.key)
+            self.stale.add(job.key)  # older queued writes were superseded by this one
             self._finish(job)
             return False
-        except BaseException:
+        except BaseException:  # cancelled while waiting for room: same as skipped
+            if self.latest.get(job.key) is job:
+                self.stale.add(job.key)
             self._finish(job)
             raise
         finally:
@@ -104,17 +124,39 @@ class TierWriter:
             return job
         return None
 
-    async def barrier(self, key: str) -> None:
-        """After this, no write of ``key`` accepted before it can land in the tier."""
-        mark = Barrier()
+    def hold(self, key: str) -> Hold:
+        """Start a store operation on ``key``: older queued writes will be skipped and the
+        tier is not read for the key until ``release(..., ok=True)``. Synchronous, so that a
+        caller can hold every tier before its first await."""
+        mark = Hold()
         self.latest[key] = mark
-        while (running := self.running.get(key)) is not None:
-            await running.done.wait()
+        self.stale.add(key)
+        return mark
+
+    async def acquire(self, key: str, mark: Hold) -> bool:
+        """Wait until nothing else of ``key`` runs, then run as ``mark``; False when a newer
+        intent superseded the hold (the operation then must not touch the tier)."""
+        while True:
+            if self.latest.get(key) is not mark:
+                return False
+            running = self.running.get(key)
+            if running is None:
+                self.running[key] = mark
+                return True
+            await _wait_briefly(running.done)
+
+    def release(self, key: str, mark: Hold, ok: bool) -> None:
+        """End the operation; ``ok`` says the tier now holds the newest version (or none)."""
+        if self.running.get(key) is mark:
+            del self.running[key]
+        mark.done.set()
         if self.latest.get(key) is mark:
             del self.latest[key]
+            if ok:
+                self.stale.discard(key)
 
     def settled(self, key: str, ok: bool) -> None:
-        """The store wrote or deleted ``key`` in the tier itself (after a barrier)."""
+        """A queued write of ``key`` that was the latest intent finished."""
         if ok:
             self.stale.discard(key)
         else:
@@ -129,7 +171,7 @@ class TierWriter:
             if running is None:
                 self.running[job.key] = job
                 return True
-            await running.done.wait()
+            await _wait_briefly(running.done)
 
     async def _work(self) -> None:
         while True:

@@ -95,6 +95,11 @@ class ObjectData:
         self.tensor = tensor  # the torch tensor (possibly on a GPU) when kind == "tensor"
         self._array = array  # a strided ndarray, made contiguous only when needed
 
+    @property
+    def on_host(self) -> bool:
+        """False for a tensor on a GPU (copying it out waits for the device)."""
+        return self.tensor is None or self.tensor.device.type == "cpu"
+
     def host(self) -> memoryview:
         """The raw bytes on the host, contiguous (copies only for GPU or strided tensors)."""
         if self._host is None and self._array is not None:

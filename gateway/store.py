@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from gateway.config import StoreConfig, TierConfig, load_config
 from gateway.connector import Connector
 from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
-from gateway.jobs import TierWriter, WriteJob
+from gateway.jobs import Hold, TierWriter, WriteJob
 from gateway.keys import Key, normalize_key
 from gateway.layers import build_stack
 from gateway.memory import BufferPool, Slab
@@ -269,7 +269,9 @@ class Store:
                 await self._put_direct(k, data, expires_at)
                 return
             try:  # the put's own slab reference, released below whatever happens
-                await offload(nbytes, data.copy_into, slab.view())
+                # A device tensor's copy waits for its stream: never on the loop, however small.
+                weight = nbytes if data.on_host else max(nbytes, OFFLOAD_BYTES)
+                await offload(weight, data.copy_into, slab.view())
                 self._invalidate_fetch(k)
                 if self.l1 is not None:  # first, so that a get during the queue waits sees it
                     l1_expires = _expiry(ttl, self._l1_ttl)
@@ -288,25 +290,35 @@ class Store:
                 f"({self.pool.capacity} bytes) and there is no lower tier"
             )
         self._invalidate_fetch(key)
+        marks = [w.hold(key) for w in self.writers]  # every tier, before the first await
         if self.l1 is not None:
             self.l1.remove(key)  # an older version must not shadow this one
-        for writer in self.writers:
-            await writer.barrier(key)
         ttl = None if expires_at is None else max(expires_at - time.time(), 0.001)
+
+        async def write(writer: TierWriter, mark: Hold) -> bool:
+            ok = False
+            try:
+                if not await writer.acquire(key, mark):
+                    return True  # a newer put of the key superseded this one: nothing to do
+                try:
+                    await writer.tier.write(key, data, ttl)
+                except GatewayError as exc:  # counted by the metrics layer
+                    log.warning("tier %s: write failed (%s): %s", writer.tier.name, exc.kind, exc)
+                    return False
+                except Exception:
+                    writer.tier.stats.count_error("internal")
+                    log.exception("tier %s: write failed", writer.tier.name)
+                    return False
+                ok = True
+                return True
+            finally:
+                writer.release(key, mark, ok)
+
         results = await asyncio.gather(
-            *(tier.write(key, data, ttl) for tier in self.tiers), return_exceptions=True
+            *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
         )
-        for writer, result in zip(self.writers, results, strict=True):
-            writer.settled(key, not isinstance(result, BaseException))
-            if isinstance(result, BaseException) and not isinstance(result, GatewayError):
-                writer.tier.stats.count_error("internal")
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if len(errors) == len(results):
-            raise (
-                errors[0]
-                if isinstance(errors[0], GatewayError)
-                else Unavailable(f"no tier accepted the object: {errors[0]!r}")
-            )
+        if not any(results):
+            raise Unavailable(f"no tier accepted the object of {data.meta.nbytes} bytes")
 
     async def put_many(self, items: Iterable[tuple[KeyLike, object]]) -> None:
         for key, obj in items:
@@ -396,18 +408,20 @@ class Store:
         k = normalize_key(key)
         async with self._operation():
             self._invalidate_fetch(k)
-            removed = self.l1.remove(k) if self.l1 is not None else False
-            for writer in self.writers:
-                removed = (writer.pending(k) is not None) or removed
-                await writer.barrier(k)
-            for writer, tier in zip(self.writers, self.tiers, strict=True):
+            removed = any(w.pending(k) is not None for w in self.writers)
+            marks = [w.hold(k) for w in self.writers]  # every tier, before the first await
+            removed = (self.l1.remove(k) if self.l1 is not None else False) or removed
+            for writer, mark in zip(self.writers, marks, strict=True):
+                ok = False
                 try:
-                    removed = await tier.delete(k) or removed
+                    if not await writer.acquire(k, mark):
+                        continue  # a newer put of the key superseded this delete
+                    removed = await writer.tier.delete(k) or removed
+                    ok = True
                 except GatewayError as exc:
-                    log.warning("tier %s: delete failed (%s): %s", tier.name, exc.kind, exc)
-                    writer.settled(k, False)
-                else:
-                    writer.settled(k, True)
+                    log.warning("tier %s: delete failed (%s): %s", writer.tier.name, exc.kind, exc)
+                finally:
+                    writer.release(k, mark, ok)
             return removed
 
     async def lookup(self, keys: Sequence[KeyLike]) -> int:

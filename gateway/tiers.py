@@ -208,7 +208,8 @@ class ConnectorTier:
         meta = obj.meta
         limit = self.connector.capabilities.max_object_size
         if self.codec.name == "raw":  # host() copies only GPU or strided objects
-            payload: Any = await offload(meta.nbytes, obj.host)
+            weight = meta.nbytes if obj.on_host else max(meta.nbytes, OFFLOAD_BYTES)
+            payload: Any = await offload(weight, obj.host)
             params: dict[str, Any] = {}
         else:
             payload, params = await offload(meta.nbytes, self.codec.encode, obj)

@@ -10,26 +10,40 @@ import asyncio
 import uuid
 from typing import Any
 
+import pytest
+
 from connectors.memory import MemoryConnector
 from gateway import Store
+from gateway.connector import parts_len
 from gateway.layers import Layer
 from gateway.types import Buffer, BufferParts
 
+BIG = 64 << 10
+
 
 class GatedPut(Layer):
-    """Puts of a key wait while a gate is set for it; gets can be held back after reading."""
+    """Puts and deletes of a key wait while a gate is set for it; gets can be held back."""
 
     def __init__(self) -> None:
         self.backing = MemoryConnector.from_url(f"memory://{uuid.uuid4().hex}")
         super().__init__(self.backing)
         self.gates: dict[str, asyncio.Event] = {}
+        self.delete_gate: asyncio.Event | None = None
+        self.big_gate: asyncio.Event | None = None  # holds only writes larger than BIG
         self.get_delay = 0.0
 
     async def put(self, key: str, data: BufferParts) -> None:
         gate = self.gates.get(key)
+        if gate is None and parts_len(data) > BIG:
+            gate = self.big_gate
         if gate is not None:
             await gate.wait()
         await self.inner.put(key, data)
+
+    async def delete(self, key: str) -> bool:
+        if self.delete_gate is not None:
+            await self.delete_gate.wait()
+        return await self.inner.delete(key)
 
     async def get(self, key: str) -> Buffer | None:
         data = await self.inner.get(key)
@@ -195,3 +209,104 @@ async def test_skipped_write_leaves_no_stale_read() -> None:
         await store.flush()
         store.l1.remove("k")
         assert await store.get("k") == b"v3"
+
+
+async def test_get_during_a_delete_does_not_bring_the_object_back() -> None:
+    conn = GatedPut()
+    async with Store(config(), connectors={1: conn}) as store:
+        await store.put("k", b"v1")
+        await store.flush()
+        assert store.l1 is not None
+        store.l1.remove("k")  # as if evicted
+        conn.delete_gate = asyncio.Event()
+        deleting = asyncio.create_task(store.delete("k"))  # the tier's delete is held
+        await tick()
+        assert await store.get("k") is None
+        conn.delete_gate.set()
+        assert await deleting
+        assert await store.get("k") is None
+        assert "k" not in store.l1
+
+
+async def test_get_during_a_direct_put_does_not_promote_the_old_value() -> None:
+    conn = GatedPut()
+    async with Store(config(l1=64 << 10), connectors={1: conn}) as store:
+        await store.put("k", b"old")
+        await store.flush()
+        assert store.l1 is not None
+        store.l1.remove("k")
+        conn.gates["k"] = asyncio.Event()
+        big = b"N" * (128 << 10)  # larger than L1: written directly, held
+        putting = asyncio.create_task(store.put("k", big))
+        await tick()
+        assert await store.get("k") is None  # the old value is being replaced: not served
+        conn.gates["k"].set()
+        await putting
+        assert await store.get("k") == big
+
+
+async def test_direct_put_and_a_later_queued_put_land_in_order() -> None:
+    conn = GatedPut()
+    async with Store(config(l1=64 << 10), connectors={1: conn}) as store:
+        conn.big_gate = asyncio.Event()
+        big = b"N" * (128 << 10)
+        putting = asyncio.create_task(store.put("k", big))  # direct write, held
+        await tick()
+        await store.put("k", b"v3")  # queued, not held: it must wait for the direct write
+        await tick()
+        assert conn.tail("k") is None
+        conn.big_gate.set()
+        await putting
+        await store.flush()
+        assert conn.tail("k") == b"v3"
+        assert store.l1 is not None
+        store.l1.remove("k")
+        assert await store.get("k") == b"v3"
+
+
+async def test_cancelled_waiting_put_never_exposes_an_older_version() -> None:
+    conn = GatedPut()
+    busy = asyncio.Event()
+    conn.gates["x"] = busy
+    async with Store(config(queue_size=1, l1=None), connectors={0: conn}) as store:
+        await store.put("k", b"v0")
+        await store.flush()
+        await store.put("x", b"xx")  # the worker is busy
+        await tick()
+        await store.put("k", b"v1")  # queued: acknowledged
+        waiting = asyncio.create_task(store.put("k", b"v2"))  # waits for room
+        await tick()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        busy.set()
+        await store.flush()
+        assert await store.get("k") in (None, b"v1", b"v2")  # never the older v0
+
+
+@pytest.mark.parametrize("op", ["direct put", "delete"])
+async def test_cancelled_direct_operation_never_exposes_an_older_version(op: str) -> None:
+    conn = GatedPut()
+    busy = asyncio.Event()
+    conn.gates["x"] = busy
+    async with Store(config(l1=None), connectors={0: conn}) as store:  # 8 MiB staging
+        await store.put("k", b"v0")
+        await store.flush()
+        await store.put("x", b"xx")  # the only worker is busy
+        await tick()
+        await store.put("k", b"v1")  # queued: acknowledged
+        conn.gates["k"] = asyncio.Event()
+        conn.delete_gate = asyncio.Event()
+        work = store.put("k", b"B" * (9 << 20)) if op == "direct put" else store.delete("k")
+        task = asyncio.create_task(work)
+        await tick()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del conn.gates["k"]
+        conn.delete_gate = None
+        busy.set()
+        await store.flush()
+        got = await store.get("k")
+        tag = None if got is None else bytes(memoryview(got)[:2])  # type: ignore[arg-type]
+        assert tag in ((None, b"v1", b"BB") if op == "direct put" else (None, b"v1"))

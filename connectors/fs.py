@@ -53,6 +53,7 @@ from connectors._keylocks import KeyLocks
 from connectors._options import StrictOptions, parse_options, split_url
 from gateway.connector import Allocator, BaseConnector, as_parts
 from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
+from gateway.inflight import InFlight
 from gateway.policies import EvictionPolicy, make_policy
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
@@ -199,9 +200,7 @@ class FileConnector(BaseConnector):
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes promised to puts in flight (see _make_room)
         self._room = asyncio.Event()  # set when a reservation ends
-        self._active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._in_flight = InFlight()
         self._closed = False
         self.corrupt_files = 0
         """Files found broken (bad record header, short) and moved to quarantine/."""
@@ -233,14 +232,8 @@ class FileConnector(BaseConnector):
         """Count an operation in flight, so that close() can wait for it."""
         if self._closed:
             raise GatewayError(f"{self!r} is closed")
-        self._active += 1
-        self._idle.clear()
-        try:
+        with self._in_flight.track():
             yield
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
 
     async def open(self) -> None:
         """Build the index (once); every operation calls this first."""
@@ -313,7 +306,7 @@ class FileConnector(BaseConnector):
     async def close(self) -> None:
         """Wait for operations in flight, then release the directory lock. Idempotent."""
         self._closed = True
-        await self._idle.wait()
+        await self._in_flight.wait_idle()
         self._unlock()  # runs once; later calls do nothing
 
     # -- reads ----------------------------------------------------------------------------

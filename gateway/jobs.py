@@ -195,10 +195,12 @@ class TierWriter:
             ttl = job.expires_at - time.time()
             if ttl <= 0:  # expired while queued: nothing to write
                 return False
+        return await self.write_now(job.key, job.data(), ttl)
+
+    async def write_now(self, key: str, data: ObjectData, ttl: float | None) -> bool:
+        """Write to the tier now; a failure is logged and counted, and gives False."""
         try:
-            await self.tier.write(job.key, job.data(), ttl)
-        except asyncio.CancelledError:
-            raise
+            await self.tier.write(key, data, ttl)
         except GatewayError as exc:  # counted by the metrics layer
             log.warning("tier %s: write failed (%s): %s", self.tier.name, exc.kind, exc)
             return False

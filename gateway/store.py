@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from gateway.config import StoreConfig, TierConfig, load_config
 from gateway.connector import Connector
 from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
+from gateway.inflight import InFlight
 from gateway.jobs import Hold, TierWriter, WriteJob
 from gateway.keys import Key, normalize_key
 from gateway.layers import build_stack
@@ -67,9 +68,7 @@ class Store:
         self.writers: list[TierWriter] = []
         self.pool: BufferPool | None = None
         self._fetching: dict[str, _Fetch] = {}
-        self._active = 0  # puts and deletes in progress; close() waits for them
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._in_flight = InFlight()  # puts and deletes in progress; close() waits for them
         self._background: set[asyncio.Task[Any]] = set()
         self._space = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,7 +168,7 @@ class Store:
         self._closed = True
         if not self._opened:
             return
-        await self._idle.wait()  # puts already accepted finish queueing their writes
+        await self._in_flight.wait_idle()  # accepted puts finish queueing their writes
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -187,14 +186,8 @@ class Store:
     async def _operation(self) -> AsyncIterator[None]:
         """A put or delete: refused once closing began, and waited for by close()."""
         await self._ready()
-        self._active += 1
-        self._idle.clear()
-        try:
+        with self._in_flight.track():
             yield
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
 
     async def _ready(self) -> None:
         if self._closed:
@@ -300,17 +293,8 @@ class Store:
             try:
                 if not await writer.acquire(key, mark):
                     return True  # a newer put of the key superseded this one: nothing to do
-                try:
-                    await writer.tier.write(key, data, ttl)
-                except GatewayError as exc:  # counted by the metrics layer
-                    log.warning("tier %s: write failed (%s): %s", writer.tier.name, exc.kind, exc)
-                    return False
-                except Exception:
-                    writer.tier.stats.count_error("internal")
-                    log.exception("tier %s: write failed", writer.tier.name)
-                    return False
-                ok = True
-                return True
+                ok = await writer.write_now(key, data, ttl)
+                return ok
             finally:
                 writer.release(key, mark, ok)
 

@@ -91,13 +91,20 @@ class TierWriter:
             for i in range(self._n_workers)
         ]
 
-    async def submit(self, job: WriteJob) -> bool:
-        """Queue ``job`` (which owns a slab reference); False when skipped by back-pressure."""
-        if self.closed:
-            job.slab.release()
-            raise Unavailable(f"tier {self.tier.name}: the store is closing")
+    def register(self, job: WriteJob) -> None:
+        """Make ``job`` the newest intent for its key (older writes will be skipped).
+
+        Synchronous, so that a put registers in every tier before its first await: tiers then
+        agree on which put is newest, whatever order the queues later take them in.
+        """
         self.in_flight += 1
-        self.latest[job.key] = job  # from here on, older writes of the key are skipped
+        self.latest[job.key] = job
+
+    async def enqueue(self, job: WriteJob) -> bool:
+        """Queue a registered job; False when skipped by back-pressure."""
+        if self.closed:
+            self.abandon(job)
+            raise Unavailable(f"tier {self.tier.name}: the store is closing")
         try:
             if self.backpressure == "skip" and len(self.stale) < MAX_STALE_KEYS:
                 self.queue.put_nowait(job)
@@ -105,17 +112,25 @@ class TierWriter:
                 await self.queue.put(job)
         except asyncio.QueueFull:
             self.tier.stats.skipped_writes += 1
-            self.stale.add(job.key)  # older queued writes were superseded by this one
-            self._finish(job)
+            self.abandon(job)
             return False
         except BaseException:  # cancelled while waiting for room: same as skipped
-            if self.latest.get(job.key) is job:
-                self.stale.add(job.key)
-            self._finish(job)
+            self.abandon(job)
             raise
         finally:
             self.tier.stats.queue_depth = self.queue.qsize()
         return True
+
+    async def submit(self, job: WriteJob) -> bool:
+        self.register(job)
+        return await self.enqueue(job)
+
+    def abandon(self, job: WriteJob) -> None:
+        """A registered job that will not be written: if it was the newest intent, the tier
+        may now hold an older version of the key (older queued writes were superseded)."""
+        if self.latest.get(job.key) is job:
+            self.stale.add(job.key)
+        self._finish(job)
 
     def pending(self, key: str) -> WriteJob | None:
         """The newest unfinished write of ``key`` (its slab holds the bytes), if any."""

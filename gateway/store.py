@@ -269,10 +269,25 @@ class Store:
                 if self.l1 is not None:  # first, so that a get during the queue waits sees it
                     l1_expires = _expiry(ttl, self._l1_ttl)
                     self.l1.insert(k, data.meta, slab.acquire(), expires_at=l1_expires)
-                for writer in self.writers:
-                    await writer.submit(WriteJob(k, data.meta, slab.acquire(), expires_at))
+                await self._queue_writes(k, data, slab, expires_at)
             finally:
                 slab.release()
+
+    async def _queue_writes(
+        self, key: str, data: ObjectData, slab: Slab, expires_at: float | None
+    ) -> None:
+        jobs = [WriteJob(key, data.meta, slab.acquire(), expires_at) for _ in self.writers]
+        for writer, job in zip(self.writers, jobs, strict=True):
+            writer.register(job)  # every tier, before the first await
+        queued = 0
+        try:
+            for writer, job in zip(self.writers, jobs, strict=True):
+                await writer.enqueue(job)
+                queued += 1
+        finally:
+            pairs = list(zip(self.writers, jobs, strict=True))[queued + 1 :]
+            for writer, job in pairs:  # cancelled: these were never queued
+                writer.abandon(job)
 
     async def _put_direct(self, key: str, data: ObjectData, expires_at: float | None) -> None:
         """Write every lower tier from the caller's memory (object too big for the pool)."""
@@ -298,9 +313,13 @@ class Store:
             finally:
                 writer.release(key, mark, ok)
 
-        results = await asyncio.gather(
-            *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
-        )
+        try:
+            results = await asyncio.gather(
+                *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
+            )
+        finally:  # children cancelled before they ran never reached their own release
+            for writer, mark in zip(self.writers, marks, strict=True):
+                writer.release(key, mark, False)
         if not any(results):
             raise Unavailable(f"no tier accepted the object of {data.meta.nbytes} bytes")
 
@@ -395,17 +414,23 @@ class Store:
             removed = any(w.pending(k) is not None for w in self.writers)
             marks = [w.hold(k) for w in self.writers]  # every tier, before the first await
             removed = (self.l1.remove(k) if self.l1 is not None else False) or removed
-            for writer, mark in zip(self.writers, marks, strict=True):
-                ok = False
-                try:
-                    if not await writer.acquire(k, mark):
-                        continue  # a newer put of the key superseded this delete
-                    removed = await writer.tier.delete(k) or removed
-                    ok = True
-                except GatewayError as exc:
-                    log.warning("tier %s: delete failed (%s): %s", writer.tier.name, exc.kind, exc)
-                finally:
-                    writer.release(k, mark, ok)
+            try:
+                for writer, mark in zip(self.writers, marks, strict=True):
+                    ok = False
+                    try:
+                        if not await writer.acquire(k, mark):
+                            continue  # a newer put of the key superseded this delete
+                        removed = await writer.tier.delete(k) or removed
+                        ok = True
+                    except GatewayError as exc:
+                        log.warning(
+                            "tier %s: delete failed (%s): %s", writer.tier.name, exc.kind, exc
+                        )
+                    finally:
+                        writer.release(k, mark, ok)
+            finally:  # cancelled or failed midway: the later tiers' holds end too
+                for writer, mark in zip(self.writers, marks, strict=True):
+                    writer.release(k, mark, False)
             return removed
 
     async def lookup(self, keys: Sequence[KeyLike]) -> int:

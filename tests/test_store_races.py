@@ -310,3 +310,69 @@ async def test_cancelled_direct_operation_never_exposes_an_older_version(op: str
         got = await store.get("k")
         tag = None if got is None else bytes(memoryview(got)[:2])  # type: ignore[arg-type]
         assert tag in ((None, b"v1", b"BB") if op == "direct put" else (None, b"v1"))
+
+
+def two_lower_tiers(**kw: Any) -> dict[str, Any]:
+    cfg = config(**kw)
+    cfg["tiers"].append(dict(cfg["tiers"][-1]))
+    return cfg
+
+
+async def test_a_put_is_the_newest_intent_in_every_tier_before_it_waits() -> None:
+    c0, c1 = GatedPut(), GatedPut()
+    async with Store(two_lower_tiers(queue_size=1), connectors={1: c0, 2: c1}) as store:
+        busy = asyncio.Event()
+        c0.gates["a"] = busy
+        await store.put("a", b"aa")  # tier 0's worker is busy
+        await tick()
+        await store.put("b", b"bb")  # tier 0's queue is full
+        p1 = asyncio.create_task(store.put("k", b"v1"))  # waits for room in tier 0
+        await tick()
+        assert store.writers[1].pending("k") is not None  # tier 1 already knows it
+        p2 = asyncio.create_task(store.put("k", b"v2"))
+        await tick()
+        busy.set()
+        await store.put("x", b"xx")  # competes for tier 0's freed slot
+        await asyncio.gather(p1, p2)
+        await store.flush()
+        assert c0.tail("k") == c1.tail("k") == b"v2"
+
+
+async def test_cancelled_delete_releases_every_tier() -> None:
+    c0, c1 = GatedPut(), GatedPut()
+    async with Store(two_lower_tiers(l1=None), connectors={0: c0, 1: c1}) as store:
+        await store.put("k", b"v0")
+        await store.flush()
+        c0.delete_gate = asyncio.Event()
+        deleting = asyncio.create_task(store.delete("k"))
+        await tick()
+        deleting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await deleting
+        c0.delete_gate = None
+        await store.flush()
+        assert all(not w.latest and not w.running for w in store.writers)
+        await store.put("k", b"v1")
+        await store.flush()
+        assert await store.get("k") == b"v1"
+
+
+async def test_direct_put_cancelled_at_once_leaves_nothing_behind() -> None:
+    conn = GatedPut()
+    async with Store(config(l1=None), connectors={0: conn}) as store:  # 8 MiB staging
+        await store.put("k", b"v0")
+        await store.flush()
+        putting = asyncio.create_task(store.put("k", b"B" * (9 << 20)))  # direct
+        await asyncio.sleep(0)
+        putting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await putting
+        await store.flush()
+        writer = store.writers[0]
+        assert not writer.latest
+        assert not writer.running
+        got = await store.get("k")
+        assert got is None or bytes(memoryview(got)[:2]) in (b"v0"[:2], b"BB")  # type: ignore[arg-type]
+        await store.put("k", b"v2")
+        await store.flush()
+        assert await store.get("k") == b"v2"

@@ -97,6 +97,10 @@ async def _in_thread(
         raise
 
 
+def _no_buffer(size: int) -> memoryview | None:
+    return None  # get_into then reads into a new bytearray
+
+
 PARALLEL_READ_BYTES = 8 << 20
 
 
@@ -312,29 +316,7 @@ class FileConnector(BaseConnector):
     # -- reads ----------------------------------------------------------------------------
 
     async def get(self, key: str) -> Buffer | None:
-        with self._op():
-            if key not in await self._ready():
-                return None
-            path = self.path_for(key)
-
-            def read(stop: threading.Event) -> bytearray:
-                fd, record = rec.open_record(path, key)
-                try:
-                    buf = bytearray(record.data_len)
-                    rec.read_exact(fd, memoryview(buf), record.data_offset, stop)
-                    return buf
-                finally:
-                    os.close(fd)
-
-            try:
-                data = await _in_thread(read)
-            except _UNREADABLE:
-                await self._forget_unreadable(key)
-                return None
-            except OSError as exc:
-                raise Unavailable(f"{self!r}: reading {key!r}: {exc}") from exc
-            self._touch(key)
-            return data
+        return await self.get_into(key, _no_buffer)
 
     async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
         """Read the object straight into ``alloc(size)`` (a new bytearray if alloc says no)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -350,7 +349,3 @@ def _as_uint8(obj: object) -> np.ndarray[Any, Any]:
 
     assert isinstance(obj, torch.Tensor)
     return obj.reshape(-1).view(torch.uint8).numpy()
-
-
-def median_of(results: Sequence[BenchResult], attr: str) -> float:
-    return float(statistics.median(float(getattr(r, attr)) for r in results))

@@ -161,7 +161,3 @@ def decode_frame(blob: Buffer, *, verify: bool = True) -> tuple[FrameHeader, mem
     if verify and xxhash.xxh3_64_intdigest(payload) != header.checksum:
         raise CorruptObject("payload checksum mismatch")
     return header, payload
-
-
-def frame_length(head: bytes, header: FrameHeader) -> int:
-    return len(head) + header.payload_len

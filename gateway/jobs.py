@@ -121,10 +121,6 @@ class TierWriter:
             self.tier.stats.queue_depth = self.queue.qsize()
         return True
 
-    async def submit(self, job: WriteJob) -> bool:
-        self.register(job)
-        return await self.enqueue(job)
-
     def abandon(self, job: WriteJob) -> None:
         """A registered job that will not be written: if it was the newest intent, the tier
         may now hold an older version of the key (older queued writes were superseded)."""

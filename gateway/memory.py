@@ -161,10 +161,6 @@ class BufferPool:
         self._starts.insert(i, start)
         self._sizes[start] = size
 
-    @property
-    def free(self) -> int:
-        return self.capacity - self.used
-
     def largest_free(self) -> int:
         with self.lock:
             return max(self._sizes.values(), default=0)

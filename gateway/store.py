@@ -32,7 +32,7 @@ from gateway.memory import BufferPool, Slab
 from gateway.objects import ObjectData, to_object, to_object_data
 from gateway.policies import make_policy
 from gateway.registry import connect, load_codec, scheme_of
-from gateway.tiers import OFFLOAD_BYTES, ConnectorTier, Found, MemoryTier, offload
+from gateway.tiers import ConnectorTier, Found, MemoryTier, offload
 from gateway.types import MemoryFormat, TierStats
 
 log = logging.getLogger("kvgate.store")
@@ -262,9 +262,7 @@ class Store:
                 await self._put_direct(k, data, expires_at)
                 return
             try:  # the put's own slab reference, released below whatever happens
-                # A device tensor's copy waits for its stream: never on the loop, however small.
-                weight = nbytes if data.on_host else max(nbytes, OFFLOAD_BYTES)
-                await offload(weight, data.copy_into, slab.view())
+                await offload(nbytes, data.copy_into, slab.view(), device=not data.on_host)
                 self._invalidate_fetch(k)
                 if self.l1 is not None:  # first, so that a get during the queue waits sees it
                     l1_expires = _expiry(ttl, self._l1_ttl)
@@ -550,4 +548,4 @@ def _tier_names(tiers: Sequence[TierConfig]) -> list[str]:
     return names
 
 
-__all__ = ["OFFLOAD_BYTES", "Store"]
+__all__ = ["Store"]

@@ -42,13 +42,16 @@ T = TypeVar("T")
 _CPU_THREADS = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="kvgate-cpu")
 
 
-async def offload(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+async def offload(nbytes: int, fn: Callable[..., T], *args: Any, device: bool = False) -> T:
     """Run ``fn`` inline for small inputs, in a CPU worker thread for large ones.
+
+    ``device``: the work touches a GPU tensor (a copy to the host waits for its stream), so it
+    runs in a thread whatever its size.
 
     If the caller is cancelled, this still waits for the thread to finish before re-raising:
     ``fn`` works on pool slabs that the caller releases as soon as this returns.
     """
-    if nbytes < OFFLOAD_BYTES:
+    if nbytes < OFFLOAD_BYTES and not device:
         return fn(*args)
     loop = asyncio.get_running_loop()
     job = loop.run_in_executor(_CPU_THREADS, functools.partial(fn, *args))
@@ -174,9 +177,6 @@ class MemoryTier:
             slab = self.pool.alloc(nbytes)
         return slab
 
-    def usage(self) -> tuple[int, int]:
-        return self.pool.used, self.pool.capacity
-
 
 class ConnectorTier:
     """A connector (already wrapped in its layers) with a codec and a TTL."""
@@ -208,8 +208,7 @@ class ConnectorTier:
         meta = obj.meta
         limit = self.connector.capabilities.max_object_size
         if self.codec.name == "raw":  # host() copies only GPU or strided objects
-            weight = meta.nbytes if obj.on_host else max(meta.nbytes, OFFLOAD_BYTES)
-            payload: Any = await offload(weight, obj.host)
+            payload: Any = await offload(meta.nbytes, obj.host, device=not obj.on_host)
             params: dict[str, Any] = {}
         else:
             payload, params = await offload(meta.nbytes, self.codec.encode, obj)

@@ -6,6 +6,10 @@ read of the same number of same-sized files for file tiers, written with as many
 the tier has write workers and read with the bench's concurrency. ``cold`` evicts both sides'
 files from the page cache before the reads, so that they measure the disk.
 
+For a remote tier whose connector class offers ``raw_client_baseline`` (Redis, S3, ...), the
+baseline is that connector's plain client library doing the same puts and gets one call per
+object, against the same server in the same run ("client").
+
 ``get`` from the memory tier returns a zero-copy view of the cached object, so its throughput
 is not a copy rate; ``get_copy_gbps`` is get plus a copy into a preallocated destination
 (what an engine does when it loads the chunk into its own KV buffer), the figure to compare
@@ -15,22 +19,24 @@ with memcpy.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import numpy as np
 
 from gateway.config import redact_url
+from gateway.errors import GatewayError
 from gateway.objects import HAS_TORCH
-from gateway.registry import scheme_of
+from gateway.registry import connector_class, scheme_of
 from gateway.store import Store, is_l1_url
 
 Progress = Callable[[int], None]
@@ -204,8 +210,12 @@ async def run_bench(
     baseline: str = "auto",
     cold: bool = False,
     progress: Progress | None = None,
+    tier_options: Mapping[str, Any] | None = None,
 ) -> BenchResult:
-    """Put ``count`` objects of ``size`` bytes through a Store on ``tiers``, then get them."""
+    """Put ``count`` objects of ``size`` bytes through a Store on ``tiers``, then get them.
+
+    ``tier_options`` are the connector options of the last tier (the one under test).
+    """
     root = _file_root(tiers)
     tier_cfgs: list[dict[str, Any]] = []
     writers = 4
@@ -218,19 +228,23 @@ async def run_bench(
         if scheme_of(url) == "memory":
             cfg["capacity"] = capacity or int(size * count * 1.1) + (64 << 20)
         tier_cfgs.append(cfg)
+    if tier_options and tier_cfgs:
+        tier_cfgs[-1]["options"] = dict(tier_options)
+    client = _client_baseline(tiers[-1], tier_options or {}) if tiers else None
     staging = max(256 << 20, size * (concurrency + 2) * 2)
     # Each direction is compared with what limits it: a put is done when the lowest tier has
     # it (disk when there is a file tier); a get is served by the memory tier when there is
     # one (memcpy), else by the file tier (disk reads).
     served_by_l1 = bool(tiers) and is_l1_url(tiers[0])
     if baseline == "auto":
-        put_base = "disk" if root is not None else "memcpy"
-        get_base = "disk" if root is not None and not served_by_l1 else "memcpy"
+        lowest = "disk" if root is not None else "client" if client is not None else "memcpy"
+        put_base = lowest
+        get_base = "memcpy" if served_by_l1 else lowest
     else:
         put_base = get_base = baseline
     baseline = put_base if put_base == get_base else f"{put_base}/{get_base}"
-    measure = _Baselines(put_base, get_base, root, size, count, writers, concurrency, cold)
-    before = measure()
+    measure = _Baselines(put_base, get_base, root, size, count, writers, concurrency, cold, client)
+    before = await measure()
     obj = _make_object(size, kind)
     keys = [f"bench/{size}/{i}" for i in range(count)]
     result = BenchResult(
@@ -286,7 +300,7 @@ async def run_bench(
 
     # The baseline runs before and after the store (above and below), and the better of the
     # two counts: ratios stay conservative on a machine whose disk speed drifts.
-    after = measure()
+    after = await measure()
     result.baseline_put_gbps = max(before[0], after[0])
     result.baseline_get_gbps = max(before[1], after[1])
     if result.baseline_put_gbps:
@@ -310,14 +324,19 @@ class _Baselines:
     writers: int
     readers: int
     cold: bool
+    client: ClientBaseline | None
 
-    def __call__(self) -> tuple[float, float]:
+    async def __call__(self) -> tuple[float, float]:
         rates: dict[str, tuple[float, float]] = {}
         for kind in {self.put_kind, self.get_kind}:
-            rates[kind] = self._measure(kind)
+            rates[kind] = await self._measure(kind)
         return rates[self.put_kind][0], rates[self.get_kind][1]
 
-    def _measure(self, kind: str) -> tuple[float, float]:
+    async def _measure(self, kind: str) -> tuple[float, float]:
+        if kind == "client":
+            if self.client is None:
+                raise ValueError("the client baseline needs a tier whose connector offers one")
+            return await self.client(size=self.size, count=self.count, concurrency=self.readers)
         if kind == "memcpy":
             rate = memcpy_baseline(self.size, self.count, self.readers)
             return rate, rate
@@ -338,6 +357,26 @@ class _Baselines:
             finally:
                 shutil.rmtree(bdir, ignore_errors=True)
         return 0.0, 0.0
+
+
+class ClientBaseline(Protocol):
+    """A connector's plain client library doing the bench's work: (put GB/s, get GB/s)."""
+
+    def __call__(
+        self, *, size: int, count: int, concurrency: int
+    ) -> Awaitable[tuple[float, float]]: ...
+
+
+def _client_baseline(url: str, options: Mapping[str, Any]) -> ClientBaseline | None:
+    """The tier's ``raw_client_baseline`` bound to its URL and options, if its class has one."""
+    try:
+        cls = connector_class(scheme_of(url))
+    except GatewayError:
+        return None  # an unknown scheme fails later, with the Store's own message
+    raw = getattr(cls, "raw_client_baseline", None)
+    if raw is None:
+        return None
+    return functools.partial(raw, url, options)
 
 
 def _as_uint8(obj: object) -> np.ndarray[Any, Any]:

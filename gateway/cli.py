@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -51,6 +51,16 @@ def _status_dict(s: object) -> dict[str, object]:
     return {f: getattr(s, f) for f in ("name", "target", "distribution", "usable", "problem")}
 
 
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not JSON: {exc}", param_hint=what) from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter("must be a JSON object", param_hint=what)
+    return value
+
+
 @app.command()
 def bench(
     tier: Annotated[
@@ -62,7 +72,13 @@ def bench(
     concurrency: Annotated[int, typer.Option("--concurrency", "-c")] = 1,
     kind: Annotated[str, typer.Option(help="tensor, ndarray or bytes")] = "tensor",
     capacity: Annotated[str | None, typer.Option(help="memory tier capacity")] = None,
-    baseline: Annotated[str, typer.Option(help="auto, memcpy, disk or none")] = "auto",
+    baseline: Annotated[
+        str, typer.Option(help="auto, memcpy, disk, client (the raw client library) or none")
+    ] = "auto",
+    tier_options: Annotated[
+        str | None,
+        typer.Option(help='JSON options of the last tier, e.g. \'{"endpoint_url": "..."}\''),
+    ] = None,
     repeat: Annotated[int, typer.Option(help="runs; the median run is reported")] = 1,
     cold: Annotated[bool, typer.Option(help="evict files from the page cache before gets")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
@@ -71,6 +87,7 @@ def bench(
     tiers = tier or ["memory://"]
     nbytes = parse_size(size)
     cap = parse_size(capacity) if capacity else None
+    options = _json_object(tier_options, "--tier-options") if tier_options else None
     results: list[BenchResult] = []
     show = not as_json and sys.stderr.isatty() and count * repeat >= 50
     with Progress(
@@ -96,6 +113,7 @@ def bench(
                         baseline=baseline,
                         cold=cold,
                         progress=lambda n: bar.advance(task, n),
+                        tier_options=options,
                     )
                 )
             )

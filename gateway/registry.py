@@ -42,7 +42,10 @@ def _entry_points(group: str) -> dict[str, EntryPoint]:
 def _install_hint(ep: EntryPoint, missing: str | None) -> str:
     dist = ep.dist.name if ep.dist is not None else "kvgate"
     extras = (ep.dist.metadata.get_all("Provides-Extra") or []) if ep.dist is not None else []
-    extra = ep.name if ep.name in extras else None
+    # The extra is named after the scheme (redis) or after the module that serves several
+    # schemes (rediss, redis+cluster -> connectors.redis -> redis).
+    module = ep.value.partition(":")[0].rsplit(".", 1)[-1]
+    extra = next((e for e in (ep.name, module) if e in extras), None)
     what = f"the module {missing!r}" if missing else "a dependency"
     if extra:
         return f"{what} is missing: pip install '{dist}[{extra}]'"

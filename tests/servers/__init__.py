@@ -1,0 +1,1 @@
+"""Fixtures that start real backend servers on loopback (one module per backend)."""

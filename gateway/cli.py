@@ -153,7 +153,8 @@ def bench(
     Console().print(
         f"get latency p50 {result.p50_ms:.3f} ms, p99 {result.p99_ms:.3f} ms; "
         f"put p50 {result.put_p50_ms:.3f} ms, p99 {result.put_p99_ms:.3f} ms; "
-        f"hits {result.get_hits}/{count}"
+        f"hits {result.get_hits}/{count}",
+        soft_wrap=True,  # one line, whatever the terminal width: scripts grep it
     )
     if result.errors:
         Console().print(f"errors: {result.errors}")

@@ -246,7 +246,8 @@ async def run_bench(
     measure = _Baselines(put_base, get_base, root, size, count, writers, concurrency, cold, client)
     before = await measure()
     obj = _make_object(size, kind)
-    keys = [f"bench/{size}/{i}" for i in range(count)]
+    run_id = os.urandom(4).hex()  # fresh keys per run: a repeat measures puts, not overwrites
+    keys = [f"bench/{run_id}/{size}/{i}" for i in range(count)]
     result = BenchResult(
         [redact_url(t) for t in tiers],
         size,

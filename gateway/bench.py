@@ -287,6 +287,8 @@ async def run_bench(
         if cold and root is not None:
             drop_page_cache(p for p in root.rglob("*.kvo") if p.is_file())
         copy_elapsed, _ = await _run_ops(count, concurrency, get_copy, progress)
+        # The bench's objects are not the user's: leave the tiers as they were.
+        await asyncio.gather(*(store.delete(k) for k in keys))
         result.errors = {n: dict(s.errors) for n, s in store.stats().items() if s.errors}
 
     total = size * count

@@ -206,14 +206,21 @@ class StripedObjects:
             await self._remove_quietly(keys)
             raise
         previous = await self.backend.swap(key, [memoryview(manifest.encode())], ttl)
-        await self.backend.set_ttl(keys, None if ttl is None else pending)
-        await self._drop_superseded(previous)
+        try:
+            await self.backend.set_ttl(keys, None if ttl is None else pending)
+        finally:  # the superseded parts no longer expire: remove them whatever happens here
+            await self._drop_superseded(previous)
 
     async def get_into(self, key: bytes, alloc: Allocator) -> memoryview | None:
         """The object under ``key`` in a buffer from ``alloc`` (or a new one); None = miss."""
         head = await self.backend.read(key)
         if head is None:
             return None
+        return await self.get_from_head(head, alloc)
+
+    async def get_from_head(self, head: Buffer, alloc: Allocator) -> memoryview | None:
+        """The rest of ``get_into`` once the main key's value ``head`` has been read (for
+        connectors that read it their own way)."""
         manifest = parse_head(head)
         if manifest is None:
             src = memoryview(head).cast("B")[1:]

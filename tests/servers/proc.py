@@ -7,6 +7,7 @@ whose binary is missing skips its tests on a developer machine and FAILS them in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -120,9 +121,7 @@ class ServerProcess:
                 return self
             time.sleep(0.02)
         self.stop()
-        raise RuntimeError(
-            f"{self.argv[0]} not ready in {self.ready_timeout}s:\n{self.log_tail()}"
-        )
+        raise RuntimeError(f"{self.argv[0]} not ready in {self.ready_timeout}s:\n{self.log_tail()}")
 
     @property
     def running(self) -> bool:
@@ -146,10 +145,8 @@ class ServerProcess:
     def _signal(self, sig: int) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
         if sig == signal.SIGKILL:
             self.proc.wait()
 

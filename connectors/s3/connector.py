@@ -1,0 +1,226 @@
+"""The ``s3://`` connector: ``S3Connector`` (see the package docstring for the design)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, ClassVar, Self
+
+from botocore.exceptions import ClientError  # type: ignore[import-untyped]
+
+from connectors.s3 import names
+from connectors.s3.client import S3Client, new_session, open_client
+from connectors.s3.config import Location, S3Options, parse
+from connectors.s3.download import download
+from connectors.s3.errors import is_missing, s3_errors
+from connectors.s3.upload import upload
+from gateway.connector import Allocator, BaseConnector, as_parts
+from gateway.errors import GatewayError, InvalidKey
+from gateway.inflight import InFlight
+from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
+
+
+def _no_buffer(size: int) -> memoryview | None:
+    return None  # the read then fills a buffer of its own
+
+
+class S3Connector(BaseConnector):
+    scheme: ClassVar[str] = "s3"
+    capabilities = Capabilities(
+        list=True, zero_copy=True, persistent=True, max_key_length=names.MAX_KEY_BYTES
+    )
+
+    def __init__(self, url: str, **options: Any) -> None:
+        location, self.options = parse(url, options)
+        self.bucket = location.bucket
+        self.prefix = location.prefix
+        self.batch_concurrency = self.options.batch_concurrency
+        self._names = names.Naming(location.prefix)
+        self._client = S3Client(location, self.options, repr(self))
+        self._in_flight = InFlight()
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        return cls(url, **options)
+
+    def __repr__(self) -> str:
+        endpoint = f" at {self.options.endpoint_url}" if self.options.endpoint_url else ""
+        return f"S3Connector(s3://{self.bucket}/{self.prefix}{endpoint})"
+
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[None]:
+        if self._closed:
+            raise GatewayError(f"{self!r} is closed")
+        with self._in_flight.track():
+            yield
+
+    def _name(self, key: str) -> str | None:
+        """The object name of ``key``; None if the key is too long to be stored."""
+        if not key:
+            raise InvalidKey("a key must not be empty")
+        if len(key.encode()) > names.MAX_KEY_BYTES:
+            return None
+        return self._names.object_name(key)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> Buffer | None:
+        got = await self.get_into(key, _no_buffer)
+        return got.obj if got is not None and isinstance(got.obj, bytearray) else got
+
+    async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
+        """Read the object straight into ``alloc(size)`` (a new buffer if alloc says no)."""
+        with self._op():
+            name = self._name(key)
+            if name is None:
+                return None
+            return await download(self._client, name, alloc)
+
+    async def exists(self, key: str) -> bool:
+        with self._op():
+            name = self._name(key)
+            return name is not None and await self._head(name) is not None
+
+    async def _head(self, name: str) -> dict[str, Any] | None:
+        where = f"{self!r} HEAD {names.shown(name)}"
+        with s3_errors(where, self.bucket):
+            s3 = await self._client.get()
+            try:
+                async with asyncio.timeout(self.options.request_timeout):
+                    head: dict[str, Any] = await s3.head_object(Bucket=self.bucket, Key=name)
+            except ClientError as exc:
+                if is_missing(exc):
+                    return None
+                raise
+            return head
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def put(self, key: str, data: BufferParts) -> None:
+        with self._op():
+            name = self._name(key)
+            if name is None:
+                raise InvalidKey(
+                    f"{self!r}: keys are limited to {names.MAX_KEY_BYTES} bytes of UTF-8"
+                )
+            meta = names.key_metadata(key) if self._names.is_hashed(name) else {}
+            await upload(self._client, name, as_parts(data), meta)
+
+    async def delete(self, key: str) -> bool:
+        """Delete ``key``; whether it existed.
+
+        S3's DeleteObject does not say whether there was an object, so a HEAD goes first. A
+        put of the key between the two makes that put's object vanish and the answer say it
+        existed, which is what a delete just after that put would do anyway.
+        """
+        with self._op():
+            name = self._name(key)
+            if name is None or await self._head(name) is None:
+                return False
+            with s3_errors(f"{self!r} DELETE {names.shown(name)}", self.bucket):
+                s3 = await self._client.get()
+                async with asyncio.timeout(self.options.request_timeout):
+                    await s3.delete_object(Bucket=self.bucket, Key=name)
+            return True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def ping(self) -> bool:
+        await self.exists("kvgate-ping")
+        return True
+
+    async def close(self) -> None:
+        """Wait for operations in flight, then close the client. Idempotent."""
+        self._closed = True
+        await self._in_flight.wait_idle()
+        await self._client.close()
+
+    # -- listing (last: ``list`` would shadow the builtin in annotations below it) -----------
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every stored key starting with ``prefix``, with its size, via ListObjectsV2 pages.
+
+        A hashed (very long) key is read back from its object's metadata with one HEAD.
+        """
+        request: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._names.list_prefix(prefix)}
+        while True:
+            with self._op():  # not held across a yield: a consumer may pause or stop anywhere
+                with s3_errors(f"{self!r} LIST {prefix!r}", self.bucket):
+                    s3 = await self._client.get()
+                    async with asyncio.timeout(self.options.request_timeout):
+                        page = await s3.list_objects_v2(**request)
+                found = []
+                for item in page.get("Contents", ()):
+                    key = await self._key_of(str(item["Key"]))
+                    if key is not None and key.startswith(prefix):
+                        found.append(ObjectInfo(key, int(item["Size"])))
+            for info in found:
+                yield info
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            request["ContinuationToken"] = token
+
+    async def _key_of(self, name: str) -> str | None:
+        if not self._names.is_hashed(name):
+            return self._names.key_of(name)
+        head = await self._head(name)
+        key = names.key_from_metadata(head.get("Metadata", {})) if head is not None else None
+        # Only an object of ours: its name is the one its key maps to.
+        return key if key is not None and self._name(key) == name else None
+
+    # -- the benchmark's reference -----------------------------------------------------------
+
+    @classmethod
+    async def raw_client_baseline(
+        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+    ) -> tuple[float, float]:
+        """(put GB/s, get GB/s) of plain aioboto3: one put_object and one get_object plus
+        ``Body.read()`` per object, on a client configured like the connector's."""
+        location, opts = parse(url, options)
+        with warnings.catch_warnings():
+            # aiohttp warns (ResourceWarning) about every bytes body over 1 MiB; the plain
+            # client's way is exactly that, so the warning is expected here, not a fault.
+            warnings.filterwarnings("ignore", "Sending a large body", ResourceWarning)
+            return await cls._raw_round_trips(location, opts, size, count, concurrency)
+
+    @staticmethod
+    async def _raw_round_trips(
+        location: Location, opts: S3Options, size: int, count: int, concurrency: int
+    ) -> tuple[float, float]:
+        data = os.urandom(size)
+        base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
+        keys = [f"{base}{i}" for i in range(count)]
+        sem = asyncio.Semaphore(concurrency)
+        async with contextlib.AsyncExitStack() as stack:
+            s3 = await open_client(new_session(opts), opts, stack)
+
+            async def put(key: str) -> None:
+                async with sem:
+                    await s3.put_object(Bucket=location.bucket, Key=key, Body=data)
+
+            async def get(key: str) -> None:
+                async with sem:
+                    resp = await s3.get_object(Bucket=location.bucket, Key=key)
+                    if len(await resp["Body"].read()) != size:
+                        raise GatewayError("the raw client read a short object")
+
+            try:
+                start = time.perf_counter()
+                await asyncio.gather(*(put(k) for k in keys))
+                put_s = time.perf_counter() - start
+                start = time.perf_counter()
+                await asyncio.gather(*(get(k) for k in keys))
+                get_s = time.perf_counter() - start
+            finally:
+                for key in keys:
+                    with contextlib.suppress(Exception):
+                        await s3.delete_object(Bucket=location.bucket, Key=key)
+        total = size * count / 1e9
+        return total / put_s, total / get_s

@@ -339,7 +339,13 @@ class _Baselines:
         if kind == "client":
             if self.client is None:
                 raise ValueError("the client baseline needs a tier whose connector offers one")
-            return await self.client(size=self.size, count=self.count, concurrency=self.readers)
+            # Like the disk baseline: puts with the tier's write parallelism (the Store's
+            # writers do the puts), gets with the bench's concurrency.
+            got = await self.client(size=self.size, count=self.count, concurrency=self.readers)
+            if self.writers == self.readers:
+                return got
+            put = await self.client(size=self.size, count=self.count, concurrency=self.writers)
+            return put[0], got[1]
         if kind == "memcpy":
             rate = memcpy_baseline(self.size, self.count, self.readers)
             return rate, rate

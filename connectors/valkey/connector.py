@@ -6,7 +6,7 @@ Layout under the namespace (option ``namespace``, default ``kvgate:``)::
     {ns}p:{gen}:{i}        part i of a large object (gen: 16 random bytes in hex)
 
 Atomicity and large objects come from ``gateway.parts.StripedObjects``: an object up to
-``inline_max`` bytes (default: ``part_size``) is one value; a larger one is written as
+``inline_max`` bytes (default: 4 MiB) is one value; a larger one is written as
 ``part_size`` parts in parallel, each with a pending expiry, then committed by one transaction
 that swaps the main key to its manifest, and the parts are made durable (PERSIST, or the
 object's ``ttl`` plus the pending margin). A reader sees the old object or the new one whole,

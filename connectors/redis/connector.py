@@ -36,11 +36,9 @@ that many replicas have it (``WAIT``), so an acknowledged put survives a failove
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import logging
 import os
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Self
 
@@ -49,6 +47,7 @@ from connectors.redis.backend import RedisParts, write_check
 from connectors.redis.client import RedisClient
 from connectors.redis.config import RedisOptions, Target, resolve
 from connectors.redis.fastpath import FOREIGN, MISS, FastPath
+from gateway.baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector
 from gateway.errors import GatewayError
 from gateway.parts import INLINE, MANIFEST_SIZE, MalformedValue, StripedObjects, parse_head
@@ -252,24 +251,21 @@ class RedisConnector(BaseConnector):
         redis = client.redis
         data = os.urandom(size)
         keys = [f"kvgate-baseline/{i}" for i in range(count)]
-        sem = asyncio.Semaphore(concurrency)
 
-        async def put(key: str) -> None:
-            async with sem:
-                await redis.set(key, data)
-
-        async def get(key: str) -> None:
-            async with sem:
-                got = await redis.get(key)
-                if got is None or len(got) != size:
-                    raise GatewayError(f"baseline get of {key!r} came back wrong")
+        async def get(i: int) -> int | None:
+            got = await redis.get(keys[i])
+            return None if got is None else len(got)
 
         try:
-            t0 = time.perf_counter()
-            await asyncio.gather(*(put(k) for k in keys))
-            t1 = time.perf_counter()
-            await asyncio.gather(*(get(k) for k in keys))
-            t2 = time.perf_counter()
+            return await timed_put_get(
+                lambda i: redis.set(keys[i], data),
+                get,
+                size=size,
+                count=count,
+                concurrency=concurrency,
+            )
+        except GatewayError:
+            raise
         except Exception as exc:
             raise client.error(exc, "baseline") from exc
         finally:
@@ -278,5 +274,3 @@ class RedisConnector(BaseConnector):
                     await redis.delete(key)
             finally:
                 await client.close()
-        total = size * count
-        return total / (t1 - t0) / 1e9, total / (t2 - t1) / 1e9

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -19,6 +18,7 @@ from connectors.s3.config import Location, S3Options, parse
 from connectors.s3.download import download
 from connectors.s3.errors import is_missing, s3_errors
 from connectors.s3.upload import upload
+from gateway.baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector, as_parts
 from gateway.errors import GatewayError, InvalidKey
 from gateway.inflight import InFlight
@@ -197,30 +197,21 @@ class S3Connector(BaseConnector):
         data = os.urandom(size)
         base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
         keys = [f"{base}{i}" for i in range(count)]
-        sem = asyncio.Semaphore(concurrency)
         async with contextlib.AsyncExitStack() as stack:
             s3 = await open_client(new_session(opts), opts, stack)
 
-            async def put(key: str) -> None:
-                async with sem:
-                    await s3.put_object(Bucket=location.bucket, Key=key, Body=data)
+            async def put(i: int) -> object:
+                return await s3.put_object(Bucket=location.bucket, Key=keys[i], Body=data)
 
-            async def get(key: str) -> None:
-                async with sem:
-                    resp = await s3.get_object(Bucket=location.bucket, Key=key)
-                    if len(await resp["Body"].read()) != size:
-                        raise GatewayError("the raw client read a short object")
+            async def get(i: int) -> int:
+                resp = await s3.get_object(Bucket=location.bucket, Key=keys[i])
+                return len(await resp["Body"].read())
 
             try:
-                start = time.perf_counter()
-                await asyncio.gather(*(put(k) for k in keys))
-                put_s = time.perf_counter() - start
-                start = time.perf_counter()
-                await asyncio.gather(*(get(k) for k in keys))
-                get_s = time.perf_counter() - start
+                return await timed_put_get(
+                    put, get, size=size, count=count, concurrency=concurrency
+                )
             finally:
                 for key in keys:
                     with contextlib.suppress(Exception):
                         await s3.delete_object(Bucket=location.bucket, Key=key)
-        total = size * count / 1e9
-        return total / put_s, total / get_s

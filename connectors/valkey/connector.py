@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
-import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, ClassVar, Self, cast
@@ -49,8 +48,8 @@ from connectors.valkey.client import (
     glide_errors,
 )
 from connectors.valkey.config import Endpoint, ValkeyOptions, glide_config, parse_endpoint
+from gateway.baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector
-from gateway.errors import GatewayError
 from gateway.parts import INLINE, MalformedValue, StripedObjects, size_of
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
@@ -187,28 +186,21 @@ class ValkeyConnector(BaseConnector):
         client: Client = await create_client(glide_config(endpoint, opts), endpoint.display)
         data = os.urandom(size)
         keys = [f"kvgate-baseline/{uuid.uuid4().hex}/{i}" for i in range(count)]
-        slots = asyncio.Semaphore(concurrency)
 
-        async def put(key: str) -> None:
-            async with slots:
-                await client.set(key, data)
-
-        async def get(key: str) -> None:
-            async with slots:
-                value = await client.get(key)
-            if value is None or len(value) != size:
-                raise GatewayError(f"baseline: {key} came back wrong")
+        async def get(i: int) -> int | None:
+            value = await client.get(keys[i])
+            return None if value is None else len(value)
 
         try:
             with glide_errors(endpoint.display):
-                start = time.perf_counter()
-                await asyncio.gather(*(put(k) for k in keys))
-                put_s = time.perf_counter() - start
-                start = time.perf_counter()
-                await asyncio.gather(*(get(k) for k in keys))
-                get_s = time.perf_counter() - start
+                rates = await timed_put_get(
+                    lambda i: client.set(keys[i], data),
+                    get,
+                    size=size,
+                    count=count,
+                    concurrency=concurrency,
+                )
                 await asyncio.gather(*(client.delete([k]) for k in keys))
         finally:
             await close_quietly(client)
-        total = size * count
-        return total / put_s / 1e9, total / get_s / 1e9
+        return rates

@@ -204,29 +204,19 @@ def glide_config(
     connect_ms = max(1, round(options.connect_timeout * 1000))
     request_ms = max(1, round((request_timeout or options.request_timeout) * 1000))
     addresses = [NodeAddress(host, port) for host, port in endpoint.addresses]
-    config: GlideConfig
-    if endpoint.cluster:
-        config = GlideClusterClientConfiguration(
-            addresses,
-            use_tls=endpoint.tls,
-            credentials=credentials,
-            request_timeout=request_ms,
-            database_id=endpoint.database,
-            client_name="kvgate",
-            advanced_config=AdvancedGlideClusterClientConfiguration(
-                connection_timeout=connect_ms, tls_config=tls
-            ),
-        )
-        return config
-    config = GlideClientConfiguration(
+    # The cluster and standalone configurations take the same arguments.
+    config_class, advanced_class = (
+        (GlideClusterClientConfiguration, AdvancedGlideClusterClientConfiguration)
+        if endpoint.cluster
+        else (GlideClientConfiguration, AdvancedGlideClientConfiguration)
+    )
+    config: GlideConfig = config_class(
         addresses,
         use_tls=endpoint.tls,
         credentials=credentials,
         request_timeout=request_ms,
         database_id=endpoint.database,
         client_name="kvgate",
-        advanced_config=AdvancedGlideClientConfiguration(
-            connection_timeout=connect_ms, tls_config=tls
-        ),
+        advanced_config=advanced_class(connection_timeout=connect_ms, tls_config=tls),
     )
     return config

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from redis.exceptions import MovedError, ResponseError
 from servers.proc import free_port
-from servers.redis import PASSWORD, RedisClusterGroup, RedisNode, make_tls_files
+from servers.redis import PASSWORD, RedisClusterGroup, RedisNode
+from servers.tls import make_certificates
 
 from connectors.redis import RedisConnector
 from connectors.redis.config import RedisOptions, resolve
@@ -180,7 +181,7 @@ async def test_right_password_from_url_or_option(
 async def test_untrusted_tls_certificate_is_a_config_error(
     redis_tls_server: RedisNode, tmp_path: Path, make_conn: Callable[..., RedisConnector]
 ) -> None:
-    other_ca = make_tls_files(tmp_path / "other").ca
+    other_ca = make_certificates(tmp_path / "other").ca
     conn = make_conn(redis_tls_server.url, ssl_ca_certs=str(other_ca))
     with pytest.raises(ConfigError, match="certificate"):
         await conn.get("k")

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from servers.proc import ServerProcess, free_port, port_open, require_binary
+from servers.tls import Certificates, make_certificates
 
 HINT = "apt-get install redis-server redis-tools"
 PASSWORD = "kvgate-test-pa55word"
@@ -42,72 +43,6 @@ def redis_binaries() -> tuple[str, str]:
     return require_binary("redis-server", HINT), require_binary("redis-cli", HINT)
 
 
-@dataclass
-class TlsFiles:
-    ca: Path
-    cert: Path
-    key: Path
-
-    def options(self) -> dict[str, Any]:
-        return {"ssl_ca_certs": str(self.ca)}
-
-
-def make_tls_files(directory: Path) -> TlsFiles:
-    """A throwaway CA and a server certificate for 127.0.0.1/localhost, made with openssl."""
-    openssl = require_binary("openssl", "apt-get install openssl")
-    directory.mkdir(parents=True, exist_ok=True)
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    (directory / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    steps = [
-        [
-            openssl,
-            "req",
-            "-x509",
-            *ec,
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=kvgate-test-ca",
-        ],
-        [
-            openssl,
-            "req",
-            *ec,
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=localhost",
-        ],
-        [
-            openssl,
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.crt",
-            "-days",
-            "2",
-            "-extfile",
-            "san.cnf",
-        ],
-    ]
-    for argv in steps:
-        subprocess.run(argv, cwd=directory, check=True, capture_output=True, timeout=30)
-    return TlsFiles(directory / "ca.crt", directory / "server.crt", directory / "server.key")
-
-
 def _answers(path: str | None, port: int) -> bool:
     """The server accepts connections (on its unix socket, or its TCP port)."""
     if path is None:
@@ -128,7 +63,7 @@ class RedisNode:
     directory: Path
     port: int  # 0: no TCP port (unix socket only)
     unix_path: str | None = None
-    tls: TlsFiles | None = None
+    tls: Certificates | None = None
     password: str | None = None
     proc: ServerProcess | None = None
 
@@ -140,7 +75,7 @@ class RedisNode:
         return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = self.tls.options() if self.tls else {}
+        opts: dict[str, Any] = {"ssl_ca_certs": str(self.tls.ca)} if self.tls else {}
         if self.password:
             opts["password"] = self.password
         return opts
@@ -197,7 +132,7 @@ def start_redis(
     directory: Path,
     *,
     unix: bool = False,
-    tls: TlsFiles | None = None,
+    tls: Certificates | None = None,
     password: str | None = None,
     extra: Sequence[str] = (),
     port: int | None = None,
@@ -216,7 +151,7 @@ def start_redis(
         port = port or free_port()
         if tls is not None:
             argv += ["--port", "0", "--tls-port", str(port)]
-            argv += ["--tls-cert-file", str(tls.cert), "--tls-key-file", str(tls.key)]
+            argv += ["--tls-cert-file", str(tls.server_cert), "--tls-key-file", str(tls.server_key)]
             argv += ["--tls-ca-cert-file", str(tls.ca), "--tls-auth-clients", "no"]
         else:
             argv += ["--port", str(port)]
@@ -391,7 +326,7 @@ def redis_unix_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Redi
 @pytest.fixture(scope="session")
 def redis_tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisNode]:
     directory = tmp_path_factory.mktemp("redis-tls")
-    node = start_redis(directory, tls=make_tls_files(directory / "tls"))
+    node = start_redis(directory, tls=make_certificates(directory / "tls"))
     yield node
     node.stop()
 

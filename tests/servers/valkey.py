@@ -11,7 +11,6 @@ certificates are a throw-away CA and server certificate made with the openssl CL
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from servers.proc import ServerProcess, free_port, in_ci, port_open, require_binary
+from servers.tls import Certificates, make_certificates
 
 
 def valkey_binary() -> str:
@@ -81,53 +81,10 @@ def valkey_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @dataclass(frozen=True)
-class Certificates:
-    """A throw-away CA, a server certificate it signed (127.0.0.1/localhost) and a client one."""
-
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-
-
-@dataclass(frozen=True)
 class TlsServer:
     url: str
     certs: Certificates
     process: ServerProcess
-
-
-def make_certificates(directory: Path) -> Certificates:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        message = "openssl is not installed (apt-get install openssl)"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    ca, ca_key = directory / "ca.crt", directory / "ca.key"
-    subprocess.run(
-        [openssl, "req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca), "-days", "2",
-         "-subj", "/CN=kvgate-test-ca"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    signed = {}
-    for name, usage, alt in (
-        ("server", "serverAuth", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"),
-        ("client", "clientAuth", ""),
-    ):
-        key, csr, cert = (directory / f"{name}.{ext}" for ext in ("key", "csr", "crt"))
-        extfile = directory / f"{name}.ext"
-        extfile.write_text(f"{alt}basicConstraints=CA:FALSE\nextendedKeyUsage={usage}\n")
-        for argv in (
-            [openssl, "req", *ec, "-keyout", key, "-out", csr, "-subj", f"/CN=kvgate-{name}"],
-            [openssl, "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key,
-             "-CAcreateserial", "-out", cert, "-days", "2", "-extfile", extfile],
-        ):  # fmt: skip
-            subprocess.run([str(a) for a in argv], check=True, capture_output=True)
-        signed[name] = (cert, key)
-    return Certificates(ca, *signed["server"], *signed["client"])
 
 
 def start_tls_server(directory: Path, certs: Certificates, *, client_certs: bool) -> TlsServer:

@@ -16,8 +16,9 @@ Sources, in the order ``load_config`` applies them:
    lower-cased; list positions are integers and must exist. ``KVGATE_TIERS`` takes a JSON list
    and replaces the tiers, before any nested override applies. Values are strings that pydantic
    converts to the field's type, except that a value starting with ``[`` or ``{`` is JSON and an
-   empty value, ``null`` or ``none`` is ``None``. ``KVGATE_CONFIG`` and ``KVGATE_DATA_DIR`` are
-   the only ``KVGATE_`` names that are not fields; any other unknown one is an error.
+   empty value, ``null`` or ``none`` is ``None``. ``KVGATE_CONFIG``, ``KVGATE_DATA_DIR`` and
+   ``KVGATE_KERNELS`` are the only ``KVGATE_`` names that are not fields; any other unknown one
+   is an error.
 
 Every validation failure is a ``ConfigError`` whose message names each offending key by its
 location (``tiers.1.capacty: unknown key``) and, for a value that came from the environment or an
@@ -457,7 +458,8 @@ def _validate(data: Mapping[str, Any], origin: str, origins: Origins) -> StoreCo
 # KVGATE_* environment
 
 _ENV_PREFIX = "KVGATE_"
-_NON_FIELD_ENV = frozenset({"KVGATE_CONFIG", "KVGATE_DATA_DIR"})
+# KVGATE_KERNELS is read by gpu/dispatch.py (which kernel implementation runs), not by the config.
+_NON_FIELD_ENV = frozenset({"KVGATE_CONFIG", "KVGATE_DATA_DIR", "KVGATE_KERNELS"})
 _NULLS = frozenset({"", "null", "none"})
 
 

@@ -61,6 +61,9 @@ def _load(group: str, name: str, kind: str) -> Any:
     try:
         return ep.load()
     except ModuleNotFoundError as exc:
+        own = ep.value.partition(":")[0]
+        if exc.name and (own == exc.name or own.startswith(exc.name + ".")):
+            raise  # the plugin's own module is missing: a broken install, not a missing extra
         raise MissingDependency(f"{kind} {name!r}: {_install_hint(ep, exc.name)}") from exc
 
 

@@ -28,13 +28,16 @@ def plugin_dist(tmp_path: Path) -> Iterator[Path]:
                 return cls()
     """)
     )
+    # The "broken" plugin's own module is there; the SDK it needs (its extra) is not.
+    (tmp_path / "toyplug_broken.py").write_text("import missing_sdk_xyz\n")
     info = tmp_path / "toyplug-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: toyplug\nVersion: 0.1\nProvides-Extra: broken\n"
     )
     (info / "entry_points.txt").write_text(
-        "[kvgate.connectors]\ntoy = toyplug:ToyConnector\nbroken = missing_sdk_xyz:Thing\n"
+        "[kvgate.connectors]\ntoy = toyplug:ToyConnector\nbroken = toyplug_broken:Thing\n"
+        "gone = toyplug_gone:Thing\n"
     )
     sys.path.insert(0, str(tmp_path))
     registry._entry_points.cache_clear()
@@ -43,6 +46,7 @@ def plugin_dist(tmp_path: Path) -> Iterator[Path]:
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("toyplug", None)
+        sys.modules.pop("toyplug_broken", None)
         registry._entry_points.cache_clear()
 
 
@@ -68,6 +72,15 @@ def test_missing_dependency_gives_install_hint(plugin_dist: Path) -> None:
     status = {s.name: s for s in registry.connector_status()}
     assert not status["broken"].usable
     assert "missing_sdk_xyz" in status["broken"].problem
+
+
+def test_missing_plugin_module_is_a_broken_install_not_an_extra(plugin_dist: Path) -> None:
+    # The entry point names a module that is not installed at all: no extra would help.
+    with pytest.raises(ModuleNotFoundError, match="toyplug_gone"):
+        registry.connect("gone://host")
+    status = {s.name: s for s in registry.connector_status()}
+    assert not status["gone"].usable
+    assert "pip install" not in status["gone"].problem
 
 
 def test_unknown_scheme_and_codec() -> None:

@@ -1,0 +1,1 @@
+"""numba CPU kernels (``nogil``, split into chunks by ``gpu.dispatch.run_chunks``)."""

@@ -39,14 +39,31 @@ T = TypeVar("T")
 # CPU work (copies, checksums, codecs) has its own few threads: torch keeps an OpenMP team per
 # calling thread, and measured here a 32 MiB copy runs at ~14 GB/s from a steady thread but
 # ~11 GB/s when it hops among asyncio's default executor threads.
-_CPU_THREADS = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="kvgate-cpu")
+def _cpu_threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="kvgate-cpu")
+
+
+_CPU_THREADS = _cpu_threads()
+
+
+def _new_threads_after_fork() -> None:
+    # A forked child inherits the executor but not its threads: jobs would never run.
+    global _CPU_THREADS
+    _CPU_THREADS = _cpu_threads()
+
+
+os.register_at_fork(after_in_child=_new_threads_after_fork)
+
+# Codecs other than these may compile kernels on first use (numba takes seconds): their work
+# always runs in a thread, whatever the object's size, so the event loop never waits for it.
+_INLINE_CODECS = frozenset({"raw", "zstd", "lz4"})
 
 
 async def offload(nbytes: int, fn: Callable[..., T], *args: Any, device: bool = False) -> T:
     """Run ``fn`` inline for small inputs, in a CPU worker thread for large ones.
 
-    ``device``: the work touches a GPU tensor (a copy to the host waits for its stream), so it
-    runs in a thread whatever its size.
+    ``device``: the work touches a GPU tensor (a copy to the host waits for its stream) or may
+    take long whatever the size (a codec compiling its kernels), so it runs in a thread.
 
     If the caller is cancelled, this still waits for the thread to finish before re-raising:
     ``fn`` works on pool slabs that the caller releases as soon as this returns.
@@ -211,7 +228,8 @@ class ConnectorTier:
             payload: Any = await offload(meta.nbytes, obj.host, device=not obj.on_host)
             params: dict[str, Any] = {}
         else:
-            payload, params = await offload(meta.nbytes, self.codec.encode, obj)
+            slow = self.codec.name not in _INLINE_CODECS or not obj.on_host
+            payload, params = await offload(meta.nbytes, self.codec.encode, obj, device=slow)
         parts = as_parts(payload)
         size = sum(p.nbytes for p in parts)
         if limit is not None and size > limit:
@@ -283,7 +301,8 @@ class ConnectorTier:
             out_slab = alloc(header.raw_len)
             out = out_slab.view() if out_slab is not None else None
             try:
-                raw = await offload(header.raw_len, codec.decode, payload, header, out)
+                slow = codec.name not in _INLINE_CODECS
+                raw = await offload(header.raw_len, codec.decode, payload, header, out, device=slow)
             except BaseException:
                 if out_slab is not None:
                     out_slab.release()

@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 if TYPE_CHECKING:
@@ -64,17 +65,39 @@ def backend_for(t: torch.Tensor) -> Backend:
 # two threads launch parallel kernels at once, and the store encodes several objects at once.
 _WORKERS = max(1, os.cpu_count() or 1)
 _POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_IN_KERNEL_THREAD = threading.local()
+
+
+def _forget_pool_after_fork() -> None:
+    # A forked child inherits the pool object but none of its threads: work sent to it would
+    # never run. The child makes its own pool on first use.
+    global _POOL, _POOL_LOCK
+    _POOL = None
+    _POOL_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def cpu_workers() -> int:
     return _WORKERS
 
 
+def _mark_kernel_thread() -> None:
+    _IN_KERNEL_THREAD.active = True
+
+
 def _pool() -> ThreadPoolExecutor:
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="kvgate-kernel")
-    return _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(
+                max_workers=_WORKERS,
+                thread_name_prefix="kvgate-kernel",
+                initializer=_mark_kernel_thread,
+            )
+        return _POOL
 
 
 def split_range(n: int, parts: int | None = None) -> list[tuple[int, int]]:
@@ -91,11 +114,20 @@ def split_range(n: int, parts: int | None = None) -> list[tuple[int, int]]:
 
 
 def run_chunks(fn: Callable[[int, int], T], ranges: Sequence[tuple[int, int]]) -> list[T]:
-    """``fn(start, end)`` for every range, the first inline and the rest on the kernel threads."""
-    if len(ranges) <= 1:
+    """``fn(start, end)`` for every range, the first inline and the rest on the kernel threads.
+
+    Every chunk has finished when this returns or raises: chunks write into caller buffers that
+    the caller may release right after. Called from a kernel thread (a codec used inside
+    another kernel), everything runs inline, since waiting on the pool from the pool could
+    deadlock it.
+    """
+    if len(ranges) <= 1 or getattr(_IN_KERNEL_THREAD, "active", False):
         return [fn(*r) for r in ranges]
     futures = [_pool().submit(fn, *r) for r in ranges[1:]]
-    first = fn(*ranges[0])
+    try:
+        first = fn(*ranges[0])
+    finally:
+        wait(futures)
     return [first, *(f.result() for f in futures)]
 
 

@@ -66,6 +66,9 @@ EXTRA_POINTS: tuple[Point, ...] = (
     Point("kivi", {"bits": 2, "group": 32}),
     Point("kivi", {"bits": 4, "group": 32}),
     Point("kivi", {"bits": 2, "group": 128}),
+    Point("cachegen", {"quality": 0.5}),
+    Point("cachegen", {"quality": 1.0}),
+    Point("cachegen", {"key_bins": 32, "value_bins": 32, "quality": 1.0}),
 )
 
 

@@ -18,7 +18,10 @@ stored raw (a piece that does not shrink by at least 1/64 is not worth decompres
 mantissa bytes cost a memcpy), any smaller size is compressed. Decoding checks the whole table
 against those raw sizes and the payload length before it allocates or decompresses anything, so
 a hostile table (a size above its piece, truncated or trailing bytes) is a ``CorruptObject``
-and the output is never larger than ``raw_len``.
+and the output is never larger than ``raw_len``. So is a ``raw_len`` the payload cannot hold:
+every compressed piece must be able to expand to its raw size (at most LZ4's 255x or zstd's
+32768x, and zstd pieces must declare exactly that size), checked on the headers before the
+output is allocated, so 5 KiB cannot make the decoder allocate a terabyte.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ Compress = Callable[[memoryview], Buffer]
 """Compress one piece (called on any kernel thread)."""
 Decompress = Callable[[memoryview, int], Buffer]
 """Decompress one piece to exactly the given number of bytes, or raise ``CorruptObject``."""
+Declared = Callable[[memoryview], int]
+"""The raw size a compressed piece declares in its header (``CorruptObject`` if unreadable)."""
 
 
 def check_block_size(codec: str, block_size: int) -> int:
@@ -56,7 +61,7 @@ def check_block_size(codec: str, block_size: int) -> int:
         raise TypeError(f"codec {codec}: block_size must be an integer, got {block_size!r}")
     if not MIN_BLOCK <= block_size <= MAX_BLOCK:
         raise ValueError(f"codec {codec}: block_size must be in {MIN_BLOCK}..{MAX_BLOCK}")
-    return block_size
+    return int(block_size)  # a plain int (an int subclass would reach the frame's params)
 
 
 def block_params(info: FrameInfo) -> tuple[int, int]:
@@ -176,13 +181,44 @@ def encode_blocks(
     return [table.tobytes(), *pieces]
 
 
+def check_expansion(
+    codec: str,
+    view: memoryview,
+    starts: np.ndarray[Any, Any],
+    ends: np.ndarray[Any, Any],
+    raw_sizes: np.ndarray[Any, Any],
+    max_ratio: int,
+    declared: Declared | None,
+) -> None:
+    """Refuse compressed pieces (``view[starts[i]:ends[i]]`` shorter than ``raw_sizes[i]``)
+    that cannot decompress to their raw size: more than ``max_ratio`` times their stored size
+    (the format's limit), or another size than their header declares. Headers only: cheap."""
+    stored = ends - starts
+    packed = stored != raw_sizes
+    if np.any(raw_sizes[packed] > stored[packed] * max_ratio):
+        raise CorruptObject(f"{codec} piece claims more than its format can expand to")
+    if declared is None:
+        return
+    for i in np.flatnonzero(packed):
+        size = declared(view[int(starts[i]) : int(ends[i])])
+        if size != raw_sizes[i]:
+            raise CorruptObject(f"{codec} piece declares {size} bytes, not {raw_sizes[i]}")
+
+
 def decode_blocks(
     payload: memoryview,
     info: FrameInfo,
     decompress: Decompress,
     out: memoryview | None,
+    max_ratio: int,
+    declared: Declared | None = None,
 ) -> Buffer:
-    """The ``info.raw_len`` raw bytes of a payload written by ``encode_blocks``."""
+    """The ``info.raw_len`` raw bytes of a payload written by ``encode_blocks``.
+
+    ``max_ratio`` is the most a piece of the format can expand (raw / stored bytes) and
+    ``declared`` reads a piece's own size claim: both are checked for every piece before the
+    output is allocated, so a small hostile payload cannot claim a huge ``raw_len``.
+    """
     block_size, planes = block_params(info)
     raw_len = info.raw_len
     view = memoryview(payload).cast("B")
@@ -199,7 +235,14 @@ def decode_blocks(
     if (int(ends[-1]) if n_pieces else table_len) != view.nbytes:
         raise CorruptObject(f"{info.codec} payload length does not match its block table")
     starts = ends - stored
-    dst = np.frombuffer(out, dtype=np.uint8) if out is not None else np.empty(raw_len, np.uint8)
+    check_expansion(info.codec, view, starts, ends, raw_sizes, max_ratio, declared)
+    if out is not None:
+        dst = np.frombuffer(out, dtype=np.uint8)
+    else:
+        try:
+            dst = np.empty(raw_len, np.uint8)
+        except MemoryError:  # the checks above bound it by the payload: treat it as corrupt
+            raise CorruptObject(f"{info.codec} frame claims {raw_len} bytes") from None
     if dst.size != raw_len:
         raise ValueError(f"output buffer is {dst.size} bytes, expected {raw_len}")
 

@@ -42,6 +42,9 @@ except ModuleNotFoundError as exc:  # pragma: no cover - the zstd extra installs
 DEFAULT_BLOCK = 4 << 20
 DEFAULT_LEVEL = 1
 DEFAULT_HASH_LOG = 8
+# A zstd frame expands at most 32768x: a block regenerates at most 128 KiB and takes at least
+# 4 bytes (an RLE block: 3-byte header + 1 byte). Measured: 32483x on 64 MiB of zeros.
+MAX_RATIO = 32768
 
 # zstd contexts are not thread-safe and cost a little to build: one per thread and setting.
 _local = threading.local()
@@ -53,9 +56,12 @@ def planes_of(dtype: str) -> int:
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> int:
+    # Real ints only (not bool, 1.0 or numpy integers), returned as plain ints.
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"codec bytesplit: {name} must be an integer in {low}..{high}")
-    return value
+        raise ConfigError(
+            f"codec bytesplit: {name} must be an integer in {low}..{high}, got {value!r}"
+        )
+    return int(value)
 
 
 class BytesplitCodec:
@@ -99,7 +105,17 @@ class BytesplitCodec:
         return payload, {"block": self.block_size, "planes": planes}
 
     def decode(self, payload: memoryview, info: FrameInfo, out: memoryview | None) -> Buffer:
-        return decode_blocks(payload, info, _decompress, out)
+        return decode_blocks(payload, info, _decompress, out, MAX_RATIO, _declared)
+
+
+def _declared(piece: memoryview) -> int:
+    """The content size a zstd piece declares (-1 when it has none: the encoder always writes
+    it, so such a piece is refused)."""
+    try:
+        size = int(zstandard.get_frame_parameters(piece).content_size)
+    except zstandard.ZstdError as exc:
+        raise CorruptObject(f"bytesplit piece is not a zstd frame: {exc}") from None
+    return -1 if size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) else size
 
 
 def _decompress(piece: memoryview, size: int) -> Buffer:
@@ -107,11 +123,8 @@ def _decompress(piece: memoryview, size: int) -> Buffer:
     if dctx is None:
         dctx = _local.dctx = zstandard.ZstdDecompressor()
     try:
-        # The declared size is checked before decompressing: a crafted frame cannot make zstd
-        # allocate more than the piece's raw size.
-        declared = zstandard.get_frame_parameters(piece).content_size
-        if declared != size:
-            raise CorruptObject(f"bytesplit zstd piece declares {declared} bytes, not {size}")
+        # decode_blocks has checked the size the piece declares (``_declared``), and
+        # ``max_output_size`` caps what zstd may allocate whatever the frame says.
         return dctx.decompress(piece, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptObject(f"bytesplit piece does not decompress: {exc}") from None

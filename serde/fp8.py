@@ -12,8 +12,12 @@ Payload (little-endian)::
     codes   uint8   [planes, layers, tokens, channels]   (e4m3 bit patterns)
 
 The frame records ``{"mode": "e4m3"}``; layout, dtype and sizes come from its fmt, shape and
-raw_len. Decoding returns the stored dtype (float16, bfloat16 or float32). Objects that are not
-float tensors or arrays are stored verbatim (``{"mode": "raw"}``, ``serde.tensors``).
+raw_len. Decoding returns the stored dtype (float16, bfloat16 or float32). Stored verbatim
+instead (``{"mode": "raw"}``, ``serde.tensors``, exact): objects that are not float tensors or
+arrays; tensors whose payload would not be smaller than their bytes (the size is known before
+encoding: a 4-byte scale per channel outweighs the 1-byte codes with few tokens, e.g. one
+token, a 1-D tensor, or up to 4 tokens of float16); and tensors with a channel whose absmax is
+non-zero but below ``448 * 2**-109`` (~7e-31, float32 and bfloat16 only), see below.
 
 Why float32 scales: exact for every input (an fp16 scale would round the scale, underflow for
 tiny channels and overflow for float32 inputs above 65504 * 448), and cheap: 4 bytes per
@@ -24,7 +28,11 @@ Error bound. e4m3 keeps 3 mantissa bits: rounding ``x / scale`` to nearest costs
 (``|x| < 2**-6 * scale``); the float32 division and product add ~2**-23 and the final cast to
 bfloat16 (float16) at most ``2**-9`` (``2**-11``) of the result. Per channel the subnormal terms
 are negligible against the channel's norm (at least ``448 * scale``), so the relative Frobenius
-error of every plane is below ``2**-4 + 2**-9 < 0.065`` (``documented_rel_error``). Measured:
+error of every plane is below ``2**-4 + 2**-9 < 0.065`` (``documented_rel_error``). This needs
+every rounding to be relative, i.e. the scale and the decoded values to be normal float32
+numbers: a scale below ``2**-109`` (``MIN_SCALE``) would keep only a few significant bits, or
+underflow to 0 and zero its whole channel (float32 data below ~1e-43 would decode as zeros).
+Such tensors are stored verbatim; no real KV cache comes near that range. Measured:
 0.024 on ``randn * 0.5`` data, 0.026 on the synthetic and the MiniLM chunks, whose attention
 outputs then differ by 0.037 (relative).
 
@@ -68,6 +76,9 @@ if TYPE_CHECKING:
     import torch
 
 MODE = "e4m3"
+# Smallest scale quantized: from it on the scale and every decoded non-zero value (>= 2**-9
+# scale) are normal float32/bfloat16 numbers, so each rounding is relative (module docstring).
+MIN_SCALE = 2.0**-109
 
 
 class Fp8Codec:
@@ -83,21 +94,33 @@ class Fp8Codec:
         t = float_tensor(obj)
         if t is None:
             return raw_encode(obj)
-        c = layout_of(obj.meta.fmt, obj.meta.shape).to_canonical(t)
+        layout = layout_of(obj.meta.fmt, obj.meta.shape)
+        if payload_size(layout) >= obj.meta.nbytes:  # few tokens: the scales outweigh the gain
+            return raw_encode(obj)
+        if t.device.type not in ("cpu", "cuda"):  # no kernels for other devices: via the host
+            t = t.cpu()
+        c = layout.to_canonical(t)
         backend = backend_for(t)
+        payload: list[memoryview]
         if backend == "cuda":
             from gpu.cuda import fp8 as cuda_fp8
 
-            return host_bytes(cuda_fp8.encode_payload(c)), {"mode": MODE}
-        if backend == "cpu":
-            from gpu.cpu import fp8 as cpu_fp8
-
-            scales, codes = cpu_fp8.encode(c)
+            payload = [host_bytes(cuda_fp8.encode_payload(c))]
         else:
-            from gpu.reference import fp8 as ref_fp8
+            if backend == "cpu":
+                from gpu.cpu import fp8 as cpu_fp8
 
-            scales, codes = ref_fp8.encode(c)
-        return [host_bytes(scales), host_bytes(codes)], {"mode": MODE}
+                scales, codes = cpu_fp8.encode(c)
+            else:
+                from gpu.reference import fp8 as ref_fp8
+
+                scales, codes = ref_fp8.encode(c)
+            payload = [host_bytes(scales), host_bytes(codes)]
+        n_scales = layout.planes * layout.layers * layout.channels
+        written = np.frombuffer(payload[0][: 4 * n_scales], dtype="<f4")
+        if _tiny_channels(c, written.reshape(layout.planes, layout.layers, layout.channels)):
+            return raw_encode(obj)
+        return payload, {"mode": MODE}
 
     def decode(self, payload: memoryview, info: FrameInfo, out: memoryview | None) -> Buffer:
         if is_raw(info):
@@ -129,6 +152,36 @@ class Fp8Codec:
             torch.from_numpy(scales.copy()), torch.from_numpy(codes.copy()), dtype
         )
         return tensor_bytes(layout.from_canonical(canonical), out)
+
+
+def payload_size(layout: KVLayout) -> int:
+    """Bytes of an ``e4m3`` payload: a float32 scale per (plane, layer, channel), a code each."""
+    return 4 * layout.planes * layout.layers * layout.channels + layout.numel
+
+
+def _tiny_channels(c: torch.Tensor, scales: np.ndarray[Any, Any]) -> bool:
+    """Whether a channel has finite non-zero values but a scale below ``MIN_SCALE``.
+
+    A scale of 0 is a channel without finite non-zero values (exact), or one whose absmax / 448
+    underflowed: only those channels' values are looked at, so the usual case (no scale below
+    ``MIN_SCALE``, or zero channels of float16, whose smallest absmax gives 2**-24 / 448) costs
+    one comparison per channel.
+    """
+    small = scales < MIN_SCALE
+    if not small.any():
+        return False
+    if bool(np.any(scales[small] > 0)):
+        return True
+    import torch
+
+    if c.dtype == torch.float16:
+        return False
+    for plane, layer in zip(*np.nonzero(small.any(axis=2)), strict=True):
+        cols = torch.from_numpy(np.flatnonzero(small[plane, layer])).to(c.device)
+        x = c[int(plane), int(layer)].index_select(1, cols)
+        if bool((torch.isfinite(x) & (x != 0)).any()):
+            return True
+    return False
 
 
 def _decode_cpu(

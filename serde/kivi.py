@@ -31,9 +31,13 @@ float16 values are exact. ``documented_rel_error`` = 0.45 bounds the relative Fr
 of each plane with the default options on Gaussian KV-like data (measured 0.37-0.40; 4 bits:
 0.07-0.08, so 0.10 bounds it).
 
-NaN, inf, and values beyond float16's range (|x| > 65504, possible in bfloat16 and float32)
-cannot be described by float16 statistics: such an object is stored verbatim (``{"mode":
-"raw"}``), exactly, never as garbage. So are non-float objects (``serde.tensors``).
+NaN, inf, and values beyond float16's range (|x| > 65504, possible in bfloat16 and float32,
+of either sign) cannot be described by float16 statistics within the bound above: such an
+object is stored verbatim (``{"mode": "raw"}``), exactly, never as garbage. So are non-float
+objects (``serde.tensors``) and tensors whose payload (its size is known before encoding) would
+not be smaller than their bytes: with one token, a 1-D tensor or a few channels, the float16
+statistics of a group outweigh its codes. Decoding refuses a payload whose statistics are inf
+or NaN (``CorruptObject``): the encoder never writes them.
 
 Kernels (``gpu.dispatch``): numba on the CPU (fused single-pass kernels on both cores; numba
 compiles them on first use in a process: about 4 s for encode and 1 s for decode here), cupy
@@ -45,7 +49,7 @@ straight into the caller's buffer in the stored layout.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -66,15 +70,21 @@ from serde.tensors import (
     tensor_bytes,
 )
 
+if TYPE_CHECKING:
+    from gpu.reference.kivi import KiviGeometry
+
 BITS = (2, 4)
+F16_EXPONENT = 0x7C00  # all ones: inf or NaN
 MIN_GROUP = 2
 MAX_GROUP = 1024
 
 
 def _option(name: str, value: Any, low: int, high: int) -> int:
+    # A real int only: 2.0 or numpy.int64(2) would be accepted here and then break every encode
+    # (payload sizes and msgpack params need Python ints); bool is an int but never meant.
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(f"codec kivi: {name} must be an integer in {low}..{high}, got {value!r}")
-    return value
+    return int(value)
 
 
 class KiviCodec:
@@ -85,9 +95,9 @@ class KiviCodec:
     def __init__(self, bits: int = 2, group: int = 32, residual: int = 0, **options: Any) -> None:
         if options:
             raise ConfigError(f"codec kivi: unknown options {', '.join(sorted(options))}")
-        if bits not in BITS or isinstance(bits, bool):
-            raise ConfigError(f"codec kivi: bits must be 2 or 4, got {bits!r}")
-        self.bits = bits
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+            raise ConfigError(f"codec kivi: bits must be the integer 2 or 4, got {bits!r}")
+        self.bits = int(bits)
         self.group = _option("group", group, MIN_GROUP, MAX_GROUP)
         self.residual = _option("residual", residual, 0, 1 << 62)
 
@@ -103,6 +113,8 @@ class KiviCodec:
         geom = reference.geometry(
             layout.canonical_shape, t.dtype, self.bits, self.group, self.residual
         )
+        if geom.total >= obj.meta.nbytes:  # few tokens or channels: statistics outweigh codes
+            return raw_encode(obj)
         canon = layout.to_canonical(t if t.is_contiguous() else t.contiguous())
         backend = dispatch.backend_for(t)
         payload: Buffer | None
@@ -118,7 +130,7 @@ class KiviCodec:
         else:
             ref = reference.encode(canon, geom)
             payload = None if ref is None else host_bytes(ref)
-        if payload is None:  # NaN/inf or beyond float16's range: stored exactly instead
+        if payload is None:  # NaN/inf or |x| > 65504: stored exactly instead
             return raw_encode(obj)
         params: dict[str, ParamValue] = {
             "bits": self.bits,
@@ -151,6 +163,7 @@ class KiviCodec:
         if view.nbytes != geom.total:
             raise CorruptObject(f"kivi payload is {view.nbytes} bytes, expected {geom.total}")
         data = np.frombuffer(view, dtype=np.uint8)
+        _check_stats(data, geom)
         if dispatch.forced_reference() or not dispatch.has_numba():
             canon = reference.decode(torch.from_numpy(data.copy()), geom, dtype)
             return tensor_bytes(layout.from_canonical(canon), out)
@@ -172,3 +185,12 @@ class KiviCodec:
         if not direct:
             out.cast("B")[:] = target.data.cast("B")
         return out
+
+
+def _check_stats(data: np.ndarray[Any, Any], geom: KiviGeometry) -> None:
+    """Refuse float16 statistics that are inf or NaN: the encoder never writes them (it stores
+    such objects raw), and they would decode to inf/NaN (or, rounded, to garbage)."""
+    start, end = geom.stats_offset(0), geom.stats_offset(geom.planes)
+    exponent = np.bitwise_and(data[start:end].view("<u2"), F16_EXPONENT)
+    if exponent.size and int(exponent.max()) == F16_EXPONENT:
+        raise CorruptObject("kivi payload has non-finite float16 statistics")

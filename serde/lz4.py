@@ -27,6 +27,9 @@ except ModuleNotFoundError as exc:  # pragma: no cover - the lz4 extra installs 
 
 MAX_ACCELERATION = 65537  # LZ4_ACCELERATION_MAX
 DEFAULT_BLOCK = 4 << 20
+# An LZ4 block expands at most 255x: past the first bytes of a match, every input byte adds
+# at most 255 to its length (measured: 254.99x on 64 MiB of zeros).
+MAX_RATIO = 255
 
 
 class Lz4Codec:
@@ -51,7 +54,7 @@ class Lz4Codec:
             self.block_size = check_block_size("lz4", block_size)
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
-        self.acceleration = acceleration
+        self.acceleration = int(acceleration)
 
     def _compress(self, piece: memoryview) -> Buffer:
         return lz4.block.compress(  # type: ignore[no-any-return]
@@ -63,7 +66,7 @@ class Lz4Codec:
         return payload, {"block": self.block_size}
 
     def decode(self, payload: memoryview, info: FrameInfo, out: memoryview | None) -> Buffer:
-        return decode_blocks(payload, info, _decompress, out)
+        return decode_blocks(payload, info, _decompress, out, MAX_RATIO)
 
 
 def _decompress(piece: memoryview, size: int) -> Buffer:

@@ -332,6 +332,79 @@ def test_huge_claimed_size_is_rejected_before_allocating(codec: Codec) -> None:
         codec.decode(memoryview(body), huge, None)
 
 
+def _claim(codec: str, raw_len: int, block: int, pieces: list[bytes]) -> tuple[bytes, FrameInfo]:
+    """A crafted payload: ``pieces`` (block table first) for a ``raw_len``-byte object."""
+    table = struct.pack(f"<{len(pieces)}I", *(len(p) for p in pieces))
+    _, info = encode_header(
+        codec=codec,
+        kind="bytes",
+        dtype="uint8",
+        shape=[raw_len],
+        raw_len=raw_len,
+        payload=b"",
+        params={"block": block} if codec == "lz4" else {"block": block, "planes": 1},
+    )
+    return table + b"".join(pieces), info
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_small_payload_cannot_claim_a_huge_object(name: str) -> None:
+    """5 KiB claiming a terabyte: refused from the pieces' sizes before allocating anything
+    (it used to raise MemoryError from the output allocation)."""
+    block = 1 << 30
+    body, info = _claim(name, 1 << 40, block, [b"\x00"] * 1024)
+    with pytest.raises(CorruptObject, match="expand"):
+        load_codec(name).decode(memoryview(body), info, None)
+
+
+def test_lz4_pieces_may_expand_255_times() -> None:
+    codec = load_codec("lz4", block_size=1 << 20)
+    src = bytes(1 << 20)  # zeros: lz4's best case, 254.4x
+    body, info = encode(codec, to_object_data(src))
+    assert bytes(memoryview(codec.decode(memoryview(body), info, None))) == src
+    stored = struct.unpack_from("<I", body)[0]
+    assert 254 * stored < len(src) <= 255 * stored
+    # The same piece claimed for a bigger object is refused before decompressing.
+    bigger = with_raw_len(info, 255 * stored + 1)
+    grown = with_params(bigger, block=255 * stored + 1)
+    with pytest.raises(CorruptObject, match="expand"):
+        codec.decode(memoryview(body), grown, None)
+
+
+def test_zstd_pieces_must_declare_their_size_before_allocating() -> None:
+    import zstandard
+
+    plain = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(8192))
+    declares = zstandard.ZstdCompressor().compress(bytes(8192))
+    codec = load_codec("bytesplit")
+    for pieces, match in (
+        ([plain], "declares -1 bytes"),
+        ([declares], "declares 8192 bytes, not 16384"),
+        ([b"\x00" * 64], "not a zstd frame"),
+    ):
+        body, info = _claim("bytesplit", 16384, 16384, pieces)
+        with pytest.raises(CorruptObject, match=match):
+            codec.decode(memoryview(body), info, None)
+
+
+def test_an_allocation_that_fails_is_corrupt() -> None:
+    """Pieces whose headers allow a terabyte (zstd expands up to 32768x) get as far as the
+    output allocation: a MemoryError there is the frame's fault, not the caller's."""
+    import zstandard
+
+    block = 1 << 30
+    # Each piece: a zstd frame header declaring 1 GiB (single segment, 8-byte size), padded to
+    # the 32 KiB that 32768x needs. 32 MiB of payload for a 1 TiB object.
+    piece = b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + struct.pack("<Q", block)
+    piece += bytes(block // 32768 - len(piece))
+    assert zstandard.get_frame_parameters(piece).content_size == block
+    body, info = _claim("bytesplit", 1 << 40, block, [piece] * 1024)
+    # Refused at the allocation here (MemoryError before the fix); where the OS grants 1 TiB
+    # of address space, the first piece fails to decompress instead.
+    with pytest.raises(CorruptObject):
+        load_codec("bytesplit").decode(memoryview(body), info, None)
+
+
 def test_piece_declaring_another_size(codec: Codec) -> None:
     body, info = _sample(codec)
     # The same payload read as a shorter object: its pieces decompress to more than allowed.
@@ -359,6 +432,19 @@ def test_piece_declaring_another_size(codec: Codec) -> None:
         ("bytesplit", {"hash_log": 3}),
         ("bytesplit", {"block_size": 1}),
         ("bytesplit", {"acceleration": 1}),
+        ("lz4", {"acceleration": 2.0}),
+        ("lz4", {"acceleration": np.int64(2)}),
+        ("lz4", {"block_size": 8192.0}),
+        ("lz4", {"block_size": np.int64(8192)}),
+        ("lz4", {"block_size": True}),
+        ("bytesplit", {"level": 1.0}),
+        ("bytesplit", {"level": np.int32(3)}),
+        ("bytesplit", {"level": True}),
+        ("bytesplit", {"hash_log": 8.0}),
+        ("bytesplit", {"hash_log": np.int64(8)}),
+        ("bytesplit", {"block_size": 8192.0}),
+        ("bytesplit", {"block_size": np.uint32(8192)}),
+        ("fp8", {"mode": "e4m3"}),
     ],
 )
 def test_bad_options_are_config_errors(name: str, options: dict[str, Any]) -> None:
@@ -376,8 +462,12 @@ def test_bad_options_are_config_errors(name: str, options: dict[str, Any]) -> No
 )
 def test_good_options(name: str, options: dict[str, Any]) -> None:
     src = b"abc" * 10_000
-    got, _ = round_trip(load_codec(name, **options), src)
+    codec = load_codec(name, **options)
+    got, _ = round_trip(codec, src)
     assert got == src
+    for option in options:
+        value = getattr(codec, option)
+        assert value is None or type(value) is int  # plain ints reach the frame's params
 
 
 def test_run_blocks_waits_for_every_worker_and_raises_the_error() -> None:

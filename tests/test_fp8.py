@@ -15,7 +15,7 @@ from gateway.registry import load_codec
 from gateway.types import Buffer, BufferParts, MemoryFormat, ParamValue
 from gpu.dispatch import has_cupy
 from gpu.reference import fp8 as ref
-from serde.fp8 import Fp8Codec
+from serde.fp8 import MIN_SCALE, Fp8Codec, payload_size
 from serde.layout import layout_of
 
 cpu = pytest.importorskip("gpu.cpu.fp8")
@@ -120,10 +120,14 @@ def test_round_trip_every_format(dtype: torch.dtype, fmt: int, shape: tuple[int,
     got, size = round_trip(src, fmt)
     assert isinstance(got, torch.Tensor)
     assert (got.dtype, got.shape) == (dtype, src.shape)
+    layout = layout_of(fmt, shape)
+    if payload_size(layout) >= src.numel() * src.element_size():  # one token: stored raw
+        assert torch.equal(got, src)
+        assert size == src.numel() * src.element_size()
+        return
     decoded, scale = expected(src, fmt)
     assert torch.equal(got, decoded)  # the codec's kernels are the reference, exactly
     assert_within_bound(src, got, scale)
-    layout = layout_of(fmt, shape)
     assert size == layout.numel + 4 * layout.planes * layout.layers * layout.channels
 
 
@@ -205,6 +209,99 @@ def test_non_float_objects_are_stored_raw(obj: Any) -> None:
     assert params == {"mode": "raw"}
     got, _ = round_trip(obj)
     assert bytes(memoryview(to_object_data(got).host())) == bytes(data.host())
+
+
+@pytest.mark.parametrize(
+    ("shape", "fmt", "dtype"),
+    [
+        ((4096,), F.UNDEFINED, torch.float16),  # one token of 4096 channels
+        ((1, 4096), F.UNDEFINED, torch.float16),
+        ((2, 32, 1, 1024), F.KV_2LTD, torch.float16),
+        ((2, 32, 4, 1024), F.KV_2LTD, torch.float16),  # as large as the object: no gain
+        ((2, 4, 1, 64), F.KV_2LTD, torch.float32),
+        ((2, 4, 1, 64), F.KV_2LTD, torch.bfloat16),
+    ],
+    ids=["1d", "1-row", "T=1", "T=4-f16", "T=1-f32", "T=1-bf16"],
+)
+def test_a_payload_not_smaller_than_the_object_is_stored_raw(
+    shape: tuple[int, ...], fmt: int, dtype: torch.dtype
+) -> None:
+    src = sample(dtype, shape)
+    body, info = encode(to_object_data(src, fmt=fmt))
+    assert info.params == {"mode": "raw"}
+    assert len(body) == info.raw_len
+    got, _ = round_trip(src, fmt)
+    assert torch.equal(got, src)
+
+
+def test_a_payload_smaller_than_the_object_is_quantized() -> None:
+    src = sample(torch.float16, (2, 32, 5, 1024))  # 5 tokens: codes and scales beat float16
+    body, info = encode(to_object_data(src, fmt=F.KV_2LTD))
+    assert info.params == {"mode": "e4m3"}
+    assert len(body) < info.raw_len
+
+
+@pytest.mark.parametrize(
+    ("dtype", "magnitude"),
+    [
+        (torch.float32, 1e-42),
+        (torch.float32, 1e-44),  # absmax / 448 underflows to 0: the channel would decode as 0
+        (torch.float32, 1e-45),
+        (torch.float32, 1e-33),
+        (torch.bfloat16, 1e-39),
+    ],
+    ids=str,
+)
+def test_channels_too_small_for_a_float32_scale_are_stored_raw(
+    dtype: torch.dtype, magnitude: float
+) -> None:
+    src = sample(dtype, (2, 2, 37, 16))
+    src[1, 0, :, 5] = (torch.randn(37) * magnitude).to(dtype)  # one tiny channel is enough
+    assert bool((src[1, 0, :, 5] != 0).any())
+    _body, info = encode(to_object_data(src, fmt=F.KV_2LTD))
+    assert info.params == {"mode": "raw"}
+    got, _ = round_trip(src, F.KV_2LTD)
+    assert torch.equal(got, src)
+
+
+def test_channels_just_above_the_smallest_scale_are_quantized() -> None:
+    src = torch.randn((2, 2, 37, 16), generator=torch.Generator().manual_seed(2))
+    src[0, 1, :, 3] = src[0, 1, :, 3] / src[0, 1, :, 3].abs().max() * (448 * MIN_SCALE * 1.01)
+    src[1, 1, :, 4] = 0.0  # a zero channel (scale 0) is exact, not a reason to store raw
+    src[1, 0, :, 2] = float("inf")  # nor is a channel without finite values
+    got, _ = round_trip(src, F.KV_2LTD)
+    _, info = encode(to_object_data(src, fmt=F.KV_2LTD))
+    assert info.params == {"mode": "e4m3"}
+    for plane in range(2):
+        x = src[plane].double()
+        keep = torch.isfinite(x)
+        err = (got[plane].double() - x)[keep].norm() / x[keep].norm()
+        assert float(err) < Fp8Codec.documented_rel_error
+    # the tiny channel on its own keeps the bound too: every intermediate is a normal float
+    x, y = src[0, 1, :, 3].double(), got[0, 1, :, 3].double()
+    assert float((x - y).norm() / x.norm()) < Fp8Codec.documented_rel_error
+
+
+class _OtherDevice:
+    """A tensor on a device with no kernels (mps, xpu): only ``.cpu()`` can be used."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.device = torch.device("meta")  # any device type other than cpu and cuda
+
+    def cpu(self) -> torch.Tensor:
+        return self.tensor
+
+
+def test_tensors_on_other_devices_are_encoded_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    import serde.fp8
+
+    src = sample(torch.bfloat16, (2, 3, 37, 64))
+    want, _ = encode(to_object_data(src, fmt=F.KV_2LTD))
+    monkeypatch.setattr(serde.fp8, "float_tensor", lambda obj: _OtherDevice(src))
+    got, info = encode(to_object_data(src, fmt=F.KV_2LTD))
+    assert info.params == {"mode": "e4m3"}
+    assert got == want
 
 
 # --- the numba kernels against the reference ---
@@ -386,4 +483,6 @@ def test_codec_encodes_a_gpu_tensor_on_the_gpu(fmt: int, shape: tuple[int, ...])
     gpu_body, info = encode(to_object_data(src.cuda(), fmt=fmt))
     assert gpu_body == host_body
     got = Fp8Codec().decode(memoryview(gpu_body), info, None)
-    assert bytes(got) == bytes(to_object_data(expected(src, fmt)[0]).host())
+    assert bytes(got) == bytes(Fp8Codec().decode(memoryview(host_body), info, None))
+    if info.params.get("mode") != "raw":
+        assert bytes(got) == bytes(to_object_data(expected(src, fmt)[0]).host())

@@ -8,7 +8,7 @@ x86 CPU without F16C that would become a runtime-library call numba may not link
 functions are then bit arithmetic (exact too, slower).
 
 bfloat16 is the top half of a float32: ``bf2f`` shifts, ``f2bf`` rounds to nearest-even by
-hand (finite inputs; the kernels never produce NaN).
+hand (every NaN becomes the quiet NaN 0x7FC0).
 """
 
 from __future__ import annotations
@@ -131,6 +131,14 @@ def bf2f(h: Any) -> Any:
 
 @njit(nogil=True, cache=False, inline="always")
 def f2bf(f: Any) -> Any:
-    """float32 -> bfloat16 bits, round to nearest even (finite input)."""
+    """float32 -> bfloat16 bits, round to nearest even; ±inf stays ±inf, NaN becomes 0x7FC0
+    (torch's scalar conversion; its vectorized CPU one gives 0xFFFF).
+
+    Without the NaN select, rounding could carry a NaN's mantissa into its exponent and sign
+    (0x7FFFFFFF would become -0.0). KIVI's decoder never produces NaN (finite statistics are
+    checked before decoding), but a NaN must not silently become a number anywhere. The
+    select vectorizes: it costs nothing measurable.
+    """
     u = np.int64(f32_bits(f))
-    return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return np.uint16(0x7FC0 if (u & 0x7FFFFFFF) > 0x7F800000 else rounded)

@@ -111,14 +111,16 @@ def _stats_run(
     lo: Any, hi: Any, n: int, recip: Any, mins: Any, scales: Any, mnf: Any, inv: Any
 ) -> int:
     """Statistics of ``n`` groups: float16 bits into ``mins``/``scales`` (payload slices), their
-    float32 minimum into ``mnf`` and inverse scale into ``inv``; returns the non-finite count.
-    One loop over all groups of a block or row (it vectorizes; ``mnf`` may be ``lo``)."""
+    float32 minimum into ``mnf`` and inverse scale into ``inv``; returns non-zero when a group
+    reaches beyond float16's range (a maximum above 65504, or a non-finite min or scale: a
+    minimum below -65504). One loop over all groups of a block or row (it vectorizes; ``mnf``
+    may be ``lo``)."""
     bad = 0
     for i in range(n):
         m, s = _stats(lo[i], hi[i], recip)
         mins[i] = m
         scales[i] = s
-        bad += _nonfinite16(m) + _nonfinite16(s)
+        bad += _nonfinite16(m) + _nonfinite16(s) + (1 if hi[i] > FP16_MAX else 0)
         mnf[i] = h2f(np.uint16(m))
         sf = h2f(np.uint16(s))
         inv[i] = ONE / sf if sf > ZERO else ZERO
@@ -189,7 +191,7 @@ def encode_plane(
     end: int,
 ) -> int:
     """Quantize and pack units ``[start, end)`` of one plane; returns the non-finite count
-    (NaN/inf input, or statistics float16 cannot hold: the caller then stores raw).
+    (NaN/inf input, or values beyond float16's range: the caller then stores raw).
 
     A unit is ``block`` tokens of one layer (``block == group`` for per-channel planes).
     Per-channel planes take two passes over the block (min/max, then quantize), per-token

@@ -12,7 +12,8 @@ Every float operation is an explicit round-to-nearest intrinsic (``__fsub_rn``, 
 ``__fadd_rn``, ``__frcp_rn``): NVRTC would otherwise fuse multiply-adds into FMAs and round
 differently from the CPU. 16-bit floats are ``unsigned short`` bits converted with PTX ``cvt``
 (no CUDA headers needed). The payload is built on the device and only its bytes cross to the
-host; NaN/inf input is reported through a device flag so the codec can store raw instead.
+host; NaN/inf input and values beyond float16's range are reported through a device flag so
+the codec can store raw instead.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
-__device__ __forceinline__ u16 f2bf(float f) {  // round to nearest even; finite input
+__device__ __forceinline__ u16 f2bf(float f) {  // round to nearest even; NaN -> 0x7FC0
     u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)0x7fc0u;  // as torch (never reached)
     u += 0x7fffu + ((u >> 16) & 1u);
     return (u16)(u >> 16);
 }
@@ -121,7 +123,8 @@ extern "C" __global__ void kivi_stats(
         if (s == 0x8000u) s = 0u;
         mins[k] = (u16)m;
         scales[k] = (u16)s;
-        if (b | nonfinite16(m) | nonfinite16(s)) atomicOr(bad, 1);
+        // NaN/inf input, or beyond float16's range (a max above 65504, a min16 of -inf).
+        if (b | nonfinite16(m) | nonfinite16(s) | (hi > 65504.0f)) atomicOr(bad, 1);
     }
 }
 

@@ -24,9 +24,12 @@ implementation gets the same bits; CUDA code must not fuse into FMAs)::
 
 Rounding ``min16`` down and ``sc16`` up makes ``[min16, min16 + levels * sc16]`` cover the
 group, so ``|x - x_hat| <= sc16 / 2`` up to float32 rounding (a few ulp of the operands), plus
-the rounding of ``x_hat`` to the stored dtype. A group whose ``min16`` or ``sc16`` is not a
-finite float16 (input beyond float16's range), or any NaN/inf in the quantized tokens, makes
-``encode`` return ``None``: the codec then stores the object verbatim.
+the rounding of ``x_hat`` to the stored dtype. Any NaN/inf or any ``|x| > 65504`` (beyond
+float16's range: bfloat16 and float32 input) in the quantized tokens makes ``encode`` return
+``None``: the codec then stores the object verbatim. (A minimum below -65504 would make
+``min16`` -inf; a maximum above 65504 would still give finite statistics, but its group's error
+would grow with its distance from the float16 range, so it is refused too. Within the range
+``min16`` and ``sc16`` are always finite.)
 
 Payload (little-endian), every size derived from the frame's dtype, shape, format and params::
 
@@ -235,7 +238,7 @@ def _plane_stats(x: torch.Tensor, g: KiviGeometry, plane: int) -> tuple[torch.Te
 
 def encode(canon: torch.Tensor, g: KiviGeometry) -> torch.Tensor | None:
     """The payload (uint8, on ``canon``'s device) of a canonical tensor, or ``None`` when it
-    holds NaN/inf or values float16 statistics cannot represent (store it verbatim)."""
+    holds NaN/inf or values beyond float16's range (store it verbatim)."""
     q = g.quant_tokens
     parts = [canon[:, :, q:, :].contiguous().reshape(-1).view(torch.uint8)]
     codes = []
@@ -243,7 +246,7 @@ def encode(canon: torch.Tensor, g: KiviGeometry) -> torch.Tensor | None:
         x = canon[plane, :, :q, :].float()
         if x.numel() == 0:
             continue
-        if not bool(torch.isfinite(x).all()):
+        if not bool(torch.isfinite(x).all()) or bool((x.abs() > FP16_MAX).any()):
             return None
         mins, scales, mn, inv = _plane_stats(x, g, plane)
         if not (finite_f16(mins) and finite_f16(scales)):

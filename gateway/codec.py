@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from gateway.frame import FrameInfo
+from gateway.connector import as_parts
+from gateway.frame import FrameInfo, encode_header
 from gateway.types import Buffer, BufferParts, ParamValue
 
 if TYPE_CHECKING:
@@ -34,3 +35,24 @@ class Codec(Protocol):
         raise ``CorruptObject``.
         """
         ...
+
+
+def encode_frame(codec: Codec, obj: ObjectData) -> tuple[bytes, list[memoryview], FrameInfo]:
+    """Encode ``obj`` as a tier writes it: the frame head, the payload parts and the header.
+
+    The blob is ``head + b"".join(parts)``; nothing is copied here.
+    """
+    payload, params = codec.encode(obj)
+    parts = as_parts(payload)
+    meta = obj.meta
+    head, header = encode_header(
+        codec=codec.name,
+        kind=meta.kind,
+        dtype=meta.dtype,
+        shape=meta.shape,
+        raw_len=meta.nbytes,
+        payload=parts,
+        fmt=meta.fmt,
+        params=params,
+    )
+    return head, parts, header

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gateway.codec import Codec
+from gateway.codec import Codec, encode_frame
 from gateway.errors import CorruptObject, MissingDependency
-from gateway.frame import decode_frame, encode_header
+from gateway.frame import decode_frame
 from gateway.objects import ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.registry import codec_class, codec_status, load_codec
 from gateway.types import MemoryFormat
@@ -209,7 +209,12 @@ def default_label(point: Point, points: Sequence[Point]) -> str:
         return point.options_label
     varied = {k for p in points if p.codec == point.codec for k in p.options}
     defaults = codec_defaults(point.codec)
-    shown = " ".join(f"{k}={defaults[k]}" for k in sorted(varied) if k in defaults)
+    # Only scalar defaults: a per-layer list (cachegen's bins) would swamp the table and plot.
+    shown = " ".join(
+        f"{k}={defaults[k]}"
+        for k in sorted(varied)
+        if k in defaults and isinstance(defaults[k], int | float | str | bool)
+    )
     return f"default ({shown})" if shown else "default"
 
 
@@ -271,20 +276,8 @@ def _torch() -> Any:
 
 
 def _encode(codec: Codec, obj: ObjectData) -> tuple[bytes, list[memoryview]]:
-    payload, params = codec.encode(obj)
-    meta = obj.meta
-    head, _ = encode_header(
-        codec=codec.name,
-        kind=meta.kind,
-        dtype=meta.dtype,
-        shape=meta.shape,
-        raw_len=meta.nbytes,
-        payload=payload,
-        fmt=meta.fmt,
-        params=params,
-    )
-    parts = [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
-    return head, [memoryview(p).cast("B") for p in parts]
+    head, parts, _ = encode_frame(codec, obj)
+    return head, parts
 
 
 def _decode(codec: Codec, blob: bytes, out: memoryview) -> object:

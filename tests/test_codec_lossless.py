@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.codec import Codec
+from gateway.codec import Codec, encode_frame
 from gateway.errors import ConfigError, CorruptObject
 from gateway.frame import FrameInfo, decode_frame, encode_header
 from gateway.objects import ObjectData, to_object, to_object_data
 from gateway.registry import load_codec
-from gateway.types import Buffer, BufferParts, ParamValue
+from gateway.types import ParamValue
 from serde.blocks import run_blocks
 
 NAMES = ["lz4", "bytesplit"]
@@ -38,24 +38,10 @@ DTYPES = [
 ]
 
 
-def _parts(payload: BufferParts) -> list[Buffer]:
-    return [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
-
-
 def encode(codec: Codec, data: ObjectData) -> tuple[bytes, FrameInfo]:
-    payload, params = codec.encode(data)
-    meta = data.meta
-    _, header = encode_header(
-        codec=codec.name,
-        kind=meta.kind,
-        dtype=meta.dtype,
-        shape=meta.shape,
-        raw_len=meta.nbytes,
-        payload=payload,
-        params=params,
-        fmt=meta.fmt,
-    )
-    return b"".join(bytes(memoryview(p)) for p in _parts(payload)), header
+    """The codec's payload (joined) and the frame header a tier would write with it."""
+    _, parts, header = encode_frame(codec, data)
+    return b"".join(bytes(p) for p in parts), header
 
 
 def round_trip(codec: Codec, obj: object) -> tuple[object, int]:

@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from gateway import Store
-from gateway.codec import Codec
+from gateway.codec import Codec, encode_frame
 from gateway.errors import ConfigError, CorruptObject, MissingDependency
-from gateway.frame import FrameInfo, decode_frame, encode_header
+from gateway.frame import FrameInfo, decode_frame
 from gateway.objects import ObjectData, to_object, to_object_data
 from gateway.registry import codec_class, codec_status, load_codec
-from gateway.types import Buffer, BufferParts, MemoryFormat, ParamValue
+from gateway.types import MemoryFormat, ParamValue
 from serde.layout import layout_of
 
 REGISTERED = [s.name for s in codec_status()]
@@ -95,43 +95,18 @@ def name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _parts(payload: BufferParts) -> list[Buffer]:
-    return [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
-
-
 def encode(codec: Codec, data: ObjectData) -> tuple[bytes, FrameInfo]:
     """The codec's payload (joined) and the frame header a tier would write with it."""
-    payload, params = codec.encode(data)
-    meta = data.meta
-    _, header = encode_header(
-        codec=codec.name,
-        kind=meta.kind,
-        dtype=meta.dtype,
-        shape=meta.shape,
-        raw_len=meta.nbytes,
-        payload=payload,
-        params=params,
-        fmt=meta.fmt,
-    )
-    return b"".join(bytes(memoryview(p)) for p in _parts(payload)), header
+    _, parts, header = encode_frame(codec, data)
+    return b"".join(bytes(p) for p in parts), header
 
 
 def round_trip(name: str | Codec, data: ObjectData, **options: Any) -> tuple[object, int]:
     """Through the whole frame, as a tier does: the decoded object and the blob size."""
     codec = load_codec(name, **options) if isinstance(name, str) else name
-    payload, params = codec.encode(data)
+    head, parts, _ = encode_frame(codec, data)
     meta = data.meta
-    head, _ = encode_header(
-        codec=codec.name,
-        kind=meta.kind,
-        dtype=meta.dtype,
-        shape=meta.shape,
-        raw_len=meta.nbytes,
-        payload=payload,
-        params=params,
-        fmt=meta.fmt,
-    )
-    blob = head + b"".join(bytes(memoryview(p)) for p in _parts(payload))
+    blob = head + b"".join(bytes(p) for p in parts)
     header, body = decode_frame(blob)
     out = bytearray(header.raw_len)
     raw = codec.decode(body, header, memoryview(out))

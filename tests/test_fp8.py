@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from gateway.codec import encode_frame
 from gateway.errors import ConfigError, CorruptObject
 from gateway.frame import FrameInfo, encode_header
 from gateway.objects import ObjectData, to_object, to_object_data
 from gateway.registry import load_codec
-from gateway.types import Buffer, BufferParts, MemoryFormat, ParamValue
+from gateway.types import MemoryFormat, ParamValue
 from gpu.dispatch import has_cupy
 from gpu.reference import fp8 as ref
 from serde.fp8 import MIN_SCALE, Fp8Codec, payload_size
@@ -38,24 +39,9 @@ OUT_EPS = {torch.bfloat16: 2.0**-9, torch.float16: 2.0**-11, torch.float32: 0.0}
 OUT_TINY = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25, torch.float32: 2.0**-150}
 
 
-def _parts(payload: BufferParts) -> list[Buffer]:
-    return [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
-
-
 def encode(data: ObjectData) -> tuple[bytes, FrameInfo]:
-    payload, params = Fp8Codec().encode(data)
-    meta = data.meta
-    _, header = encode_header(
-        codec="fp8",
-        kind=meta.kind,
-        dtype=meta.dtype,
-        shape=meta.shape,
-        raw_len=meta.nbytes,
-        payload=payload,
-        params=params,
-        fmt=meta.fmt,
-    )
-    return b"".join(bytes(memoryview(p)) for p in _parts(payload)), header
+    _, parts, header = encode_frame(Fp8Codec(), data)
+    return b"".join(bytes(p) for p in parts), header
 
 
 def header(info: FrameInfo, **changes: Any) -> FrameInfo:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from gateway.bench import BenchResult, run_bench
+from gateway.cli_objects import register as register_object_commands
 from gateway.config import parse_size
 from gateway.registry import codec_status, connector_status
 
@@ -307,7 +309,16 @@ def _wide_console() -> Console:
     return Console(width=160)
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOOPBACK_NAMES = ("localhost",)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
 
 
 @app.command()
@@ -318,16 +329,31 @@ def serve(
             "--config", "-f", help="YAML config (default: $KVGATE_CONFIG or memory + disk)"
         ),
     ] = None,
-    host: Annotated[str, typer.Option(help="bind address (loopback only for now)")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="bind address; other than loopback only with a token")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port")] = 8080,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVGATE_TOKEN",
+            show_default=False,
+            help="bearer token clients must send (prefer $KVGATE_TOKEN: argv is visible)",
+        ),
+    ] = None,
+    lm_port: Annotated[
+        int | None, typer.Option(help="also serve LMCache's lm:// protocol on this port")
+    ] = None,
+    max_body: Annotated[str, typer.Option(help="largest request body")] = "1GiB",
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
-    """Serve a Store over HTTP (object API, /healthz, /v1/tiers)."""
-    if host not in LOOPBACK:
+    """Serve a Store over HTTP (object API, batch, lookup, tiers, metrics) and optionally lm://."""
+    token = token or None  # an empty $KVGATE_TOKEN is no token
+    if not token and not _is_loopback(host):
         # Without authentication a non-loopback bind would expose the cache to the network.
         err.print(
-            f"refusing to bind {host}: only loopback addresses are served until "
-            "bearer-token auth is available"
+            f"refusing to bind {host}: a non-loopback address needs a bearer token "
+            "(--token or $KVGATE_TOKEN)"
         )
         raise typer.Exit(2)
     try:
@@ -342,12 +368,26 @@ def serve(
         raise typer.Exit(2) from None
     from gateway.config import load_config, redact_url
 
-    cfg = load_config(config)
+    # KVGATE_TOKEN is this command's, not a config field: keep it out of the config's view.
+    env = {k: v for k, v in os.environ.items() if k != "KVGATE_TOKEN"}
+    cfg = load_config(config, env=env)
     tiers = " -> ".join(
         redact_url(t.url) + (f" ({t.capacity:,} B)" if t.capacity else "") for t in cfg.tiers
     )
-    typer.echo(err=True, message=f"kvgate serving on http://{host}:{port}; tiers: {tiers}")
-    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level)
+    auth = "bearer token required" if token else "no authentication (loopback only)"
+    lm = f", lm://{host}:{lm_port}" if lm_port is not None else ""
+    typer.echo(
+        err=True, message=f"kvgate serving on http://{host}:{port}{lm}; {auth}; tiers: {tiers}"
+    )
+    application = create_app(
+        cfg, token=token, max_body=parse_size(max_body), lm_host=host, lm_port=lm_port
+    )
+    # uvloop and httptools when installed ("auto"); the plain asyncio loop and h11 otherwise.
+    uvicorn.run(application, host=host, port=port, log_level=log_level, loop="auto", http="auto")
+
+
+# put, get, stat, ls: clients of a running gateway, after the commands above in --help.
+register_object_commands(app)
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ Sources, in the order ``load_config`` applies them:
    lower-cased; list positions are integers and must exist. ``KVGATE_TIERS`` takes a JSON list
    and replaces the tiers, before any nested override applies. Values are strings that pydantic
    converts to the field's type, except that a value starting with ``[`` or ``{`` is JSON and an
-   empty value, ``null`` or ``none`` is ``None``. ``KVGATE_CONFIG``, ``KVGATE_DATA_DIR`` and
-   ``KVGATE_KERNELS`` are the only ``KVGATE_`` names that are not fields; any other unknown one
-   is an error.
+   empty value, ``null`` or ``none`` is ``None``. ``KVGATE_CONFIG``, ``KVGATE_DATA_DIR``,
+   ``KVGATE_KERNELS``, ``KVGATE_TOKEN`` and ``KVGATE_URL`` are the only ``KVGATE_`` names that
+   are not fields; any other unknown one is an error.
 
 Every validation failure is a ``ConfigError`` whose message names each offending key by its
 location (``tiers.1.capacty: unknown key``) and, for a value that came from the environment or an
@@ -458,8 +458,11 @@ def _validate(data: Mapping[str, Any], origin: str, origins: Origins) -> StoreCo
 # KVGATE_* environment
 
 _ENV_PREFIX = "KVGATE_"
-# KVGATE_KERNELS is read by gpu/dispatch.py (which kernel implementation runs), not by the config.
-_NON_FIELD_ENV = frozenset({"KVGATE_CONFIG", "KVGATE_DATA_DIR", "KVGATE_KERNELS"})
+# Read elsewhere, not by the config: KVGATE_KERNELS by gpu/dispatch.py (which kernels run),
+# KVGATE_TOKEN by `kvgate serve` and the CLI (a bearer token), KVGATE_URL by the CLI.
+_NON_FIELD_ENV = frozenset(
+    {"KVGATE_CONFIG", "KVGATE_DATA_DIR", "KVGATE_KERNELS", "KVGATE_TOKEN", "KVGATE_URL"}
+)
 _NULLS = frozenset({"", "null", "none"})
 
 

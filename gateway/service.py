@@ -1,21 +1,26 @@
-"""The HTTP face of a Store (FastAPI). The lifespan owns one Store.
+"""The HTTP face of a Store (FastAPI): the app factory, its lifespan and the one error map.
 
-This is the minimal service that ``kvgate serve`` runs: the object API, health and tier state.
-Objects travel as their raw bytes; a tensor's dtype and shape travel in headers. Errors map to
-status codes in exactly one place (``STATUS``).
+The lifespan owns one Store (opened before the first request, drained and closed at
+shutdown), the pool that request bodies are read into, and, with ``lm_port``, LMCache's lm://
+server on the same Store. Routes live in ``http_objects`` (the object API), ``http_batch`` and
+``http_admin``; every error any of them raises becomes a status code here, in ``STATUS``, and a
+JSON body ``{"error": kind, "detail": message}``.
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
-import numpy as np
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
+from gateway.auth import Unauthorized, token_guard
 from gateway.errors import (
     CapacityError,
     ConfigError,
@@ -27,20 +32,28 @@ from gateway.errors import (
     Unavailable,
     Unsupported,
 )
-from gateway.objects import HAS_TORCH, ITEMSIZE, to_object_data
+from gateway.http_admin import admin_router, health_router
+from gateway.http_batch import batch_router
+from gateway.http_body import BadRequest
+from gateway.http_objects import object_router
+from gateway.http_state import DEFAULT_BODY_POOL, DEFAULT_MAX_BODY, ServiceState
+from gateway.memory import BufferPool
+from gateway.prometheus import metrics_registry
 from gateway.store import ConfigSource, Store
-from gateway.tiers import offload
 
-DEFAULT_MAX_BODY = 1 << 30
-H_KIND, H_DTYPE, H_SHAPE = "x-kvgate-kind", "x-kvgate-dtype", "x-kvgate-shape"
+log = logging.getLogger("kvgate.service")
 
 # The one error -> HTTP status map. Order matters: subclasses before their parents.
+# A corrupt object is the backend's fault (502) when the store reads one; a corrupt frame sent
+# by a client is a BadRequest (400) raised where the request is read.
 STATUS: list[tuple[type[GatewayError], int]] = [
+    (BadRequest, 400),
     (InvalidKey, 400),
     (ConfigError, 400),
-    (Unsupported, 415),
+    (Unauthorized, 401),
     (NotFound, 404),
     (CapacityError, 413),
+    (Unsupported, 415),
     (CorruptObject, 502),
     (Timeout, 504),
     (Unavailable, 503),
@@ -52,115 +65,83 @@ def status_of(exc: GatewayError) -> int:
     return next(code for cls, code in STATUS if isinstance(exc, cls))
 
 
-async def _read_body(request: Request, limit: int) -> bytearray:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise CapacityError(f"request body of {declared} bytes exceeds the limit of {limit}")
-    body = bytearray(int(declared)) if declared and declared.isdigit() else bytearray()
-    body.clear()
-    async for chunk in request.stream():
-        if len(body) + len(chunk) > limit:
-            raise CapacityError(f"request body exceeds the limit of {limit} bytes")
-        body += chunk
-    return body
+def error_response(kind: str, detail: str, status: int) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": kind, "detail": detail}, status_code=status, headers=headers)
 
 
-def _parse_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(d) for d in text.split(",") if d.strip() != "")
-    except ValueError:
-        raise InvalidKey(f"bad {H_SHAPE} header {text!r}: comma-separated integers") from None
-    if any(d < 0 for d in shape):
-        raise InvalidKey(f"bad {H_SHAPE} header {text!r}: negative dimension")
-    return shape
-
-
-def _as_object(body: bytearray, dtype: str | None, shape_text: str | None) -> object:
-    if dtype is None:
-        return bytes(body)
-    if dtype not in ITEMSIZE:
-        raise Unsupported(f"unknown dtype {dtype!r}")
-    shape = _parse_shape(shape_text) if shape_text is not None else (len(body) // ITEMSIZE[dtype],)
-    if math.prod(shape) * ITEMSIZE[dtype] != len(body):
-        raise InvalidKey(f"shape {shape} of {dtype} does not match {len(body)} body bytes")
-    if HAS_TORCH:
-        import torch
-
-        flat = (
-            torch.frombuffer(body, dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
-        )
-        return flat.view(getattr(torch, dtype)).reshape(shape)
-    return np.frombuffer(body, dtype=np.dtype(dtype)).reshape(shape)
-
-
-def create_app(config: ConfigSource = None, *, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
-    store = Store(config)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async with store:
-            yield
-
-    app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan)
-    app.state.store = store
-
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        return JSONResponse({"error": exc.kind, "detail": str(exc)}, status_code=status_of(exc))
+        return error_response(exc.kind, str(exc), status_of(exc))
 
-    @app.put("/v1/objects/{key:path}", status_code=204)
-    async def put_object(key: str, request: Request) -> Response:
-        body = await _read_body(request, max_body)
-        obj = _as_object(body, request.headers.get(H_DTYPE), request.headers.get(H_SHAPE))
-        await store.put(key, obj)
-        return Response(status_code=204)
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # A path or header parameter FastAPI could not read: the client's error, like ours.
+        problems = "; ".join(
+            f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in exc.errors()
+        )
+        return error_response(BadRequest.kind, problems or "invalid request", 400)
 
-    @app.get("/v1/objects/{key:path}")
-    async def get_object(key: str) -> Response:
-        obj = await store.get(key)
-        if obj is None:
-            return JSONResponse({"error": "not_found", "detail": key}, status_code=404)
-        data = to_object_data(obj)
-        headers = {
-            H_KIND: data.meta.kind,
-            H_DTYPE: data.meta.dtype,
-            H_SHAPE: ",".join(str(d) for d in data.meta.shape),
-        }
-        body = await offload(data.meta.nbytes, lambda: bytes(data.host()))
-        return Response(body, media_type="application/octet-stream", headers=headers)
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own: unknown route (404), wrong method (405).
+        kind = NotFound.kind if exc.status_code == 404 else "http"
+        return error_response(kind, str(exc.detail), exc.status_code)
 
-    @app.head("/v1/objects/{key:path}")
-    async def head_object(key: str) -> Response:
-        return Response(status_code=200 if await store.contains(key) else 404)
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error serving a request")
+        return error_response("internal", type(exc).__name__, 500)
 
-    @app.delete("/v1/objects/{key:path}")
-    async def delete_object(key: str) -> Response:
-        return Response(status_code=204 if await store.delete(key) else 404)
 
-    @app.post("/v1/flush", status_code=204)
-    async def flush() -> Response:
-        await store.flush()
-        return Response(status_code=204)
+def create_app(
+    config: ConfigSource = None,
+    *,
+    token: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    body_pool: int = DEFAULT_BODY_POOL,
+    lm_host: str = "127.0.0.1",
+    lm_port: int | None = None,
+) -> FastAPI:
+    """The kvgate HTTP app over a Store built from ``config``.
 
-    @app.get("/v1/tiers")
-    async def tiers() -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name, stats in store.stats().items():
-            out[name] = {
-                "hits": stats.hits,
-                "misses": stats.misses,
-                "bytes_read": stats.bytes_read,
-                "bytes_written": stats.bytes_written,
-                "errors": stats.errors,
-                "corrupt": stats.corrupt,
-                "skipped_writes": stats.skipped_writes,
-                "queue_depth": stats.queue_depth,
-                "evictions": stats.evictions,
-            }
-        return out
+    ``token``: require ``Authorization: Bearer <token>`` on everything but the health
+    endpoints and the OpenAPI document. ``max_body``: the largest request body (413 past it).
+    ``body_pool``: bytes kept prefaulted for request bodies. ``lm_port``: also serve LMCache's
+    lm:// protocol there, on the same Store.
+    """
+    state = ServiceState(Store(config), max_body=max_body, body_pool_size=body_pool)
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with state.store, contextlib.AsyncExitStack() as stack:
+            if state.body_pool_size:  # prefaulting touches every page: not on the loop
+                state.body_pool = await asyncio.to_thread(
+                    BufferPool, state.body_pool_size, pin=False, prefault=True
+                )
+            if lm_port is not None:
+                from gateway.lmserver import close_lm, serve_lm  # only when asked for
 
+                server = await serve_lm(state.store, lm_host, lm_port)
+                stack.push_async_callback(close_lm, server)  # before the store closes
+            state.ready = True
+            try:
+                yield
+            finally:
+                state.ready = False
+
+    app = FastAPI(
+        title="kvgate",
+        version="0.1.0",
+        summary="Tiered KV-cache object store gateway",
+        lifespan=lifespan,
+    )
+    app.state.kvgate = state
+    app.state.metrics = metrics_registry(state.store)
+    _add_error_handlers(app)
+    guarded = [Depends(token_guard(token))] if token is not None else []
+    app.include_router(health_router())
+    for router in (object_router(), batch_router(), admin_router()):
+        app.include_router(router, dependencies=guarded)
     return app

@@ -1,0 +1,284 @@
+"""``kvgate put|get|stat|ls``: objects of a running gateway, through its HTTP API.
+
+These commands are thin clients of ``kvgate serve`` (``--url``, default ``$KVGATE_URL`` or
+http://127.0.0.1:8080; ``--token`` or ``$KVGATE_TOKEN``). Bodies are streamed from and to files
+in 1 MiB chunks, with a progress bar on stderr for large transfers when stderr is a terminal,
+so stdout stays clean for payloads and ``--json``. Exit codes: 0 done, 1 no such object, 2 a
+usage, configuration or authentication problem, 3 the gateway is unreachable or failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Annotated, Any
+from urllib.parse import quote
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TransferSpeedColumn,
+)
+
+if TYPE_CHECKING:
+    import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+CHUNK = 1 << 20
+PROGRESS_MIN = 16 << 20
+"""Transfers below this size show no progress bar (they finish before one would help)."""
+LIST_ROUTE = "/v1/keys"
+
+err = Console(stderr=True)
+
+Url = Annotated[str, typer.Option("--url", envvar="KVGATE_URL", help="the gateway's base URL")]
+Token = Annotated[
+    str | None,
+    typer.Option("--token", envvar="KVGATE_TOKEN", help="bearer token", show_default=False),
+]
+Timeout = Annotated[float, typer.Option(help="seconds per request")]
+AsJson = Annotated[bool, typer.Option("--json", help="metadata as one JSON object")]
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    err.print(message, markup=False, highlight=False)
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def client(url: str, token: str | None, timeout: float) -> Iterator[httpx.Client]:
+    """An httpx client of the gateway; transport failures become exit code 3."""
+    try:
+        import httpx
+    except ModuleNotFoundError:
+        raise fail("these commands need httpx: pip install 'kvgate[gateway]'", 2) from None
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=timeout) as http:
+        try:
+            yield http
+        except httpx.TimeoutException:
+            raise fail(f"{url}: no answer within {timeout} s", 3) from None
+        except httpx.TransportError as exc:
+            raise fail(
+                f"{url}: cannot reach the gateway ({type(exc).__name__}: {exc})", 3
+            ) from None
+
+
+def object_path(key: str) -> str:
+    segment = quote(key, safe="")
+    return "/v1/objects/" + (segment.replace(".", "%2E") if segment in (".", "..") else segment)
+
+
+def check(response: httpx.Response, url: str, key: str | None = None) -> None:
+    """Exit with a clear message unless the answer is a success."""
+    status = response.status_code
+    if status < 300:
+        return
+    if status == 404 and key is not None:
+        raise fail(f"no object {key!r}", 1)
+    if status == 401:
+        raise fail(f"{url}: unauthorized: give --token or set KVGATE_TOKEN", 2)
+    with contextlib.suppress(Exception):
+        response.read()
+    try:
+        body = response.json()
+        detail = f"{body.get('error', '?')}: {body.get('detail', '')}"
+    except (ValueError, AttributeError):
+        detail = response.text[:200]
+    raise fail(f"{url}: HTTP {status}: {detail}", 2 if status < 500 else 3)
+
+
+def metadata(response: httpx.Response, key: str) -> dict[str, Any]:
+    h = response.headers
+    shape = h.get("x-kvgate-shape")
+    size = h.get("content-length")
+    return {
+        "key": key,
+        "size": int(size) if size is not None and size.isdigit() else None,
+        "kind": h.get("x-kvgate-kind"),
+        "dtype": h.get("x-kvgate-dtype"),
+        "shape": [int(d) for d in shape.split(",") if d] if shape is not None else None,
+        "format": int(h["x-kvgate-format"]) if h.get("x-kvgate-format", "").isdigit() else None,
+    }
+
+
+def progress(total: int | None, what: str) -> Progress:
+    show = err.is_terminal and total is not None and total >= PROGRESS_MIN
+    return Progress(
+        TextColumn(what),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err,
+        transient=True,
+        disable=not show,
+    )
+
+
+def _chunks(source: IO[bytes], bar: Progress, task: Any) -> Iterator[bytes]:
+    while chunk := source.read(CHUNK):
+        bar.advance(task, len(chunk))
+        yield chunk
+
+
+def put(
+    key: Annotated[str, typer.Argument(help="object key")],
+    file: Annotated[str, typer.Argument(help="file to upload, or - for stdin")],
+    dtype: Annotated[
+        str | None, typer.Option(help="store as a tensor of this dtype (float16, bfloat16, ...)")
+    ] = None,
+    shape: Annotated[str | None, typer.Option(help="tensor shape, e.g. 2,32,256,1024")] = None,
+    kind: Annotated[str | None, typer.Option(help="tensor, ndarray or bytes")] = None,
+    fmt: Annotated[int | None, typer.Option("--format", help="LMCache memory format")] = None,
+    ttl: Annotated[float | None, typer.Option(help="seconds until the object expires")] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    timeout: Timeout = 300.0,
+    as_json: AsJson = False,
+) -> None:
+    """Store FILE (or stdin) under KEY; with --dtype/--shape as a tensor."""
+    if shape is not None and dtype is None:
+        raise fail("--shape needs --dtype", 2)
+    headers = {"content-type": "application/octet-stream"}
+    for name, value in (("kind", kind), ("dtype", dtype), ("shape", shape), ("format", fmt)):
+        if value is not None:
+            headers[f"x-kvgate-{name}"] = str(value)
+    if ttl is not None:
+        headers["x-kvgate-ttl"] = str(ttl)
+    with contextlib.ExitStack() as stack:
+        if file == "-":
+            data = sys.stdin.buffer.read()  # its length must be known before sending
+            size = len(data)
+            source: IO[bytes] = io.BytesIO(data)
+        else:
+            path = Path(file)
+            if not path.is_file():
+                raise fail(f"{file}: no such file", 2)
+            size = path.stat().st_size
+            source = stack.enter_context(path.open("rb"))
+        headers["content-length"] = str(size)
+        http = stack.enter_context(client(url, token, timeout))
+        bar = stack.enter_context(progress(size, f"put {key}"))
+        task = bar.add_task("put", total=size)
+        start = time.perf_counter()
+        response = http.put(object_path(key), content=_chunks(source, bar, task), headers=headers)
+        check(response, url)
+    seconds = time.perf_counter() - start
+    info = {"key": key, "size": size, "kind": kind or ("tensor" if dtype else "bytes"),
+            "dtype": dtype, "shape": shape, "seconds": round(seconds, 6)}  # fmt: skip
+    if as_json:
+        print(json.dumps(info))
+    else:
+        err.print(f"stored {key!r}: {size:,} bytes in {seconds:.3f} s", markup=False)
+
+
+def get(
+    key: Annotated[str, typer.Argument(help="object key")],
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="file to write (default: stdout)")
+    ] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    timeout: Timeout = 300.0,
+    as_json: AsJson = False,
+) -> None:
+    """Write the object's raw bytes to FILE or stdout (metadata with --json: stdout when -o
+    is given, else stderr)."""
+    with contextlib.ExitStack() as stack:
+        http = stack.enter_context(client(url, token, timeout))
+        response = stack.enter_context(http.stream("GET", object_path(key)))
+        check(response, url, key)
+        info = metadata(response, key)
+        target = Path(output) if output is not None else None
+        partial = target.with_name(f".{target.name}.part") if target is not None else None
+        sink = partial.open("wb") if partial is not None else sys.stdout.buffer
+        try:
+            bar = stack.enter_context(progress(info["size"], f"get {key}"))
+            task = bar.add_task("get", total=info["size"])
+            for chunk in response.iter_bytes(CHUNK):
+                sink.write(chunk)
+                bar.advance(task, len(chunk))
+            sink.flush()
+        except BaseException:
+            if partial is not None:
+                sink.close()
+                partial.unlink(missing_ok=True)
+            raise
+        if partial is not None and target is not None:
+            sink.close()
+            os.replace(partial, target)  # a reader never sees a half-written file
+    if as_json:
+        print(json.dumps(info), file=sys.stdout if output is not None else sys.stderr)
+
+
+def stat(
+    key: Annotated[str, typer.Argument(help="object key")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    timeout: Timeout = 30.0,
+    as_json: AsJson = False,
+) -> None:
+    """Show an object's size, kind, dtype and shape (exit 1 if there is none)."""
+    with client(url, token, timeout) as http:
+        response = http.head(object_path(key))
+        check(response, url, key)
+    info = metadata(response, key)
+    if as_json:
+        print(json.dumps(info))
+        return
+    for name, value in info.items():
+        if value is not None:
+            shown = ",".join(map(str, value)) if isinstance(value, list) else value
+            print(f"{name:7} {shown}")
+
+
+def ls(
+    prefix: Annotated[str, typer.Argument(help="list keys starting with this")] = "",
+    limit: Annotated[int, typer.Option(help="at most this many keys")] = 1000,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    timeout: Timeout = 30.0,
+    as_json: AsJson = False,
+) -> None:
+    """List keys (and sizes) starting with PREFIX, if the gateway can list."""
+    found: list[dict[str, Any]] = []
+    with client(url, token, timeout) as http:
+        after: str | None = None
+        while len(found) < limit:
+            params: dict[str, Any] = {"prefix": prefix, "limit": min(1000, limit - len(found))}
+            if after is not None:
+                params["after"] = after
+            response = http.get(LIST_ROUTE, params=params)
+            if response.status_code in (404, 405):
+                raise fail(
+                    f"{url} cannot list keys: its HTTP API has no listing route "
+                    f"(GET {LIST_ROUTE}?prefix=&limit=&after=)",
+                    2,
+                )
+            check(response, url)
+            page = response.json()
+            found.extend(page.get("keys", []))
+            after = page.get("next")
+            if not after:
+                break
+    if as_json:
+        print(json.dumps({"prefix": prefix, "keys": found[:limit]}))
+        return
+    for item in found[:limit]:
+        print(f"{item.get('size', '?'):>12}  {item['key']}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add put, get, stat and ls to the ``kvgate`` command."""
+    for command in (put, get, stat, ls):
+        app.command(command.__name__)(command)

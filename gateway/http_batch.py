@@ -12,6 +12,7 @@ stored, and the 400 names the entry).
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from typing import Annotated, Any
 
@@ -20,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from gateway.errors import CapacityError
 from gateway.http_body import FRAMES_TYPE, BadRequest, frame_object, read_body, read_json
-from gateway.http_objects import PartsResponse, frame_parts, stored_data
+from gateway.http_objects import PartsResponse, frame_parts, stored_object
 from gateway.http_state import MAX_BATCH_KEYS, state_of
 from gateway.types import Buffer
 
@@ -92,16 +93,15 @@ def batch_router() -> APIRouter:
         """Frames of the keys asked for, in order; misses marked (see the batch format)."""
         state = state_of(request)
         asked = await read_json(request, state.max_json, BatchGetRequest)
-        found = await state.store.get_many(asked.keys)
+        found = await asyncio.gather(*(stored_object(state.store, k) for k in asked.keys))
         parts: list[Buffer] = []
         total = 0
-        for key, obj in zip(asked.keys, found, strict=True):
-            if obj is None:
+        for key, hit in zip(asked.keys, found, strict=True):
+            if hit is None:
                 parts.append(entry_head(key, MISSING))
                 continue
-            frame, _ = await frame_parts(
-                state, stored_data(state.store, key, obj), x_kvgate_codec, x_kvgate_codec_options
-            )
+            data = hit[1]  # holds the object (and its pool lease) while the frame is sent
+            frame, _ = await frame_parts(state, data, x_kvgate_codec, x_kvgate_codec_options)
             size = sum(memoryview(p).nbytes for p in frame)
             total += size
             if total > state.max_body:  # the answer is bounded like a request body

@@ -32,7 +32,6 @@ from gateway.http_body import (
     read_json,
 )
 from gateway.http_state import MAX_LOOKUP_KEYS, ServiceState, state_of
-from gateway.keys import normalize_key
 from gateway.objects import ObjectData, to_object_data
 from gateway.store import Store
 from gateway.tiers import offload
@@ -61,18 +60,14 @@ class PartsResponse(Response):
             )
 
 
-def stored_data(store: Store, key: str, obj: object) -> ObjectData:
-    """``obj`` described as stored, memory format included.
-
-    ``Store.get`` returns the object alone, and a tensor does not carry its LMCache memory
-    format; the L1 entry that the get just read or promoted does (no await in between).
-    Without an L1 the format reads as 0 (until the Store can return metadata with a get).
-    """
-    data = to_object_data(obj)
-    entry = store.l1.index.get(normalize_key(key)) if store.l1 is not None else None
-    if entry is not None and entry.meta.nbytes == data.meta.nbytes and entry.meta.fmt:
-        return to_object_data(obj, entry.meta.fmt)
-    return data
+async def stored_object(store: Store, key: str) -> tuple[object, ObjectData] | None:
+    """The object under ``key`` and its description as stored (memory format included: a
+    tensor does not carry its LMCache format, the store's metadata does)."""
+    found = await store.get_with_meta(key)
+    if found is None:
+        return None
+    obj, meta = found
+    return obj, to_object_data(obj, meta.fmt)
 
 
 def wants_frame(accept: str | None) -> bool:
@@ -185,10 +180,10 @@ def object_router() -> APIRouter:
     ) -> Response:
         """The object: its bytes, or its frame encoded with the codec asked for."""
         state = state_of(request)
-        obj = await state.store.get(key)
-        if obj is None:
+        found = await stored_object(state.store, key)
+        if found is None:
             raise NotFound(f"no object under key {key!r}")
-        data = stored_data(state.store, key, obj)
+        obj, data = found
         headers = meta_headers(data.meta)
         if wants_frame(accept):
             parts, more = await frame_parts(state, data, x_kvgate_codec, x_kvgate_codec_options)
@@ -200,10 +195,10 @@ def object_router() -> APIRouter:
     async def head_object(key: KeyPath, request: Request) -> Response:
         """The headers a plain GET would answer, without the body."""
         store = state_of(request).store
-        obj = await store.get(key)
-        if obj is None:
+        found = await stored_object(store, key)
+        if found is None:
             raise NotFound(f"no object under key {key!r}")
-        meta = stored_data(store, key, obj).meta
+        meta = found[1].meta
         headers = meta_headers(meta) | {"content-length": str(meta.nbytes)}
         return Response(status_code=200, headers=headers, media_type=OCTETS)
 

@@ -29,7 +29,7 @@ from gateway.jobs import Hold, TierWriter, WriteJob
 from gateway.keys import Key, normalize_key
 from gateway.layers import build_stack
 from gateway.memory import BufferPool, Slab
-from gateway.objects import ObjectData, to_object, to_object_data
+from gateway.objects import ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
 from gateway.registry import connect, load_codec, scheme_of
 from gateway.tiers import ConnectorTier, Found, MemoryTier, offload
@@ -329,6 +329,12 @@ class Store:
 
     async def get(self, key: KeyLike) -> object | None:
         """The object stored under ``key`` (same kind as put), or None on a miss."""
+        found = await self.get_with_meta(key)
+        return None if found is None else found[0]
+
+    async def get_with_meta(self, key: KeyLike) -> tuple[object, ObjectMeta] | None:
+        """Like ``get``, with the stored metadata (kind, dtype, shape, memory format): what a
+        protocol that echoes the memory format (lm://, the HTTP headers) must answer with."""
         k = normalize_key(key)
         await self._ready()
         if self.l1 is not None:
@@ -337,12 +343,12 @@ class Store:
                 meta = entry.meta
                 if meta.kind in ("bytes", "bytearray"):  # a copy: no lease to keep
                     view = entry.slab.view(entry.offset, meta.nbytes)
-                    return await offload(meta.nbytes, to_object, meta, view)
-                return to_object(meta, entry.slab.lease(entry.offset, meta.nbytes))
+                    return await offload(meta.nbytes, to_object, meta, view), meta
+                return to_object(meta, entry.slab.lease(entry.offset, meta.nbytes)), meta
         found = await self._fetch_shared(k)
         if found is None:
             return None
-        return await offload(found.meta.nbytes, found.to_object)
+        return await offload(found.meta.nbytes, found.to_object), found.meta
 
     async def get_many(self, keys: Sequence[KeyLike]) -> list[object | None]:
         return list(await asyncio.gather(*(self.get(k) for k in keys)))

@@ -4,6 +4,7 @@ Each backend's fixtures live in ``tests/servers/<backend>.py``; they are importe
 every test module sees them.
 """
 
+from servers.lmcache import lmcache_server  # noqa: F401
 from servers.memcached import memcached_factory, memcached_server  # noqa: F401
 from servers.mooncake import mooncake_cluster, mooncake_factory  # noqa: F401
 from servers.redis import *  # noqa: F403 (its __all__: the Redis fixtures)

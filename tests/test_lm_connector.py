@@ -1,0 +1,160 @@
+"""The lm:// connector: URL and options, key mapping, timeouts and failures on real sockets,
+and objects it writes as seen by kvgate's server and by LMCache's stock server.
+
+The conformance suite (tests/conformance/test_lm.py) covers the contract on both servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import pytest_asyncio
+from servers.proc import free_port
+
+from connectors.lm import LmConnector, parse_url, wire_key
+from gateway.errors import ConfigError, Timeout, Unavailable
+from gateway.keys import Key
+from gateway.lmserver import close_lm, serve_lm
+from gateway.lmwire import KEY_BYTES
+from gateway.store import Store
+
+torch = pytest.importorskip("torch")
+
+LM_KEY = "llama@1@0@-1f@bfloat16@tp%2"
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest_asyncio.fixture
+async def kvgate() -> AsyncIterator[tuple[Store, str]]:
+    cfg = {"tiers": [{"url": "memory://", "capacity": 32 << 20}], "prefault": False}
+    async with Store(cfg) as store:
+        port = free_port()
+        server = await serve_lm(store, "127.0.0.1", port)
+        try:
+            yield store, f"lm://127.0.0.1:{port}"
+        finally:
+            await close_lm(server)
+
+
+def test_url_and_options() -> None:
+    assert parse_url("lm://example:6555").port == 6555
+    for bad in ("lm://h", "lm://u:p@h:1", "lm://h:1/path", "lm://h:1?x=1", "redis://h:1"):
+        with pytest.raises(ConfigError):
+            parse_url(bad)
+    with pytest.raises(ConfigError, match="pool"):
+        LmConnector.from_url("lm://h:1", pool="x")
+    with pytest.raises(ConfigError):
+        LmConnector.from_url("lm://h:1", timeout=0)
+
+
+def test_wire_keys() -> None:
+    assert wire_key(LM_KEY) == LM_KEY  # an LMCache key travels as it is
+    mapped = [wire_key(k) for k in ("plain", "PLAIN", " plain", "m@1@0@0X1F@half", "x" * 200)]
+    assert len(set(mapped)) == len(mapped)
+    for m in mapped:
+        assert str(Key.parse(m)) == m  # every wire key is an LMCache key ...
+        assert len(m) <= KEY_BYTES  # ... that fits the header
+    long_lm = str(Key("m" * 140, 1, 0, 1, "half"))
+    assert wire_key(long_lm) != long_lm
+
+
+async def test_objects_land_in_kvgates_store(kvgate: tuple[Store, str]) -> None:
+    store, url = kvgate
+    async with LmConnector.from_url(url) as conn:
+        await conn.put(LM_KEY, [b"ab", b"cd"])
+        stored = await store.get(LM_KEY)  # a uint8 tensor: dtype uint8, format BINARY
+        assert isinstance(stored, torch.Tensor)
+        assert bytes(stored.numpy()) == b"abcd"
+        assert await conn.exists(LM_KEY)
+        assert await conn.delete(LM_KEY)
+        assert await store.get(LM_KEY) is None  # kvgate's server deleted it
+        await store.put(LM_KEY, b"from the store")
+        assert await conn.get(LM_KEY) == b"from the store"
+
+
+async def test_pool_serves_concurrent_calls(kvgate: tuple[Store, str]) -> None:
+    _, url = kvgate
+    async with LmConnector.from_url(url, pool_size=3) as conn:
+        items = [(f"k{i}", bytes([i]) * (100_000 + i)) for i in range(12)]
+        await conn.put_many(items)
+        assert await conn.get_many([k for k, _ in items]) == [v for _, v in items]
+        assert isinstance(conn, LmConnector)
+        assert len(conn._idle) <= 3
+
+
+class FakeServer:
+    """A loopback server running ``handler``; ``close`` also closes its connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        await self.handler(reader, writer)
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        await self.server.wait_closed()
+
+
+async def test_server_that_never_answers_times_out() -> None:
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # read everything, answer nothing
+
+    server = FakeServer(swallow)
+    port = await server.start()
+    try:
+        conn = LmConnector.from_url(f"lm://127.0.0.1:{port}", timeout=0.3, connect_timeout=0.3)
+        with pytest.raises(Timeout):
+            await conn.get("k")
+        await conn.close()
+    finally:
+        await server.close()
+
+
+async def test_refused_and_reset_connections_are_unavailable() -> None:
+    conn = LmConnector.from_url(f"lm://127.0.0.1:{free_port()}", timeout=1.0)
+    with pytest.raises(Unavailable):
+        await conn.exists("k")
+    await conn.close()
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(186)
+        writer.write(b"\x00" * 36)  # code 0: not an lm:// reply
+        await writer.drain()
+
+    server = FakeServer(hang_up)
+    port = await server.start()
+    try:
+        conn = LmConnector.from_url(f"lm://127.0.0.1:{port}", timeout=1.0)
+        with pytest.raises(Unavailable):
+            await conn.get("k")
+        assert conn._idle == []  # the broken connection was not kept
+        await conn.close()
+    finally:
+        await server.close()
+
+
+async def test_stock_server_tombstones(lmcache_server: str) -> None:
+    async with LmConnector.from_url(lmcache_server) as conn:
+        assert await conn.ping()
+        await conn.put(LM_KEY, b"chunk")
+        assert await conn.get(LM_KEY) == b"chunk"
+        assert await conn.delete(LM_KEY)
+        assert not await conn.exists(LM_KEY)  # the stock server still holds the tombstone
+        assert await conn.get(LM_KEY) is None
+        assert not await conn.delete(LM_KEY)
+        await conn.put(LM_KEY, b"again")
+        assert await conn.get(LM_KEY) == b"again"

@@ -35,6 +35,7 @@ from gateway.errors import (
 from gateway.http_admin import admin_router, health_router
 from gateway.http_batch import batch_router
 from gateway.http_body import BadRequest
+from gateway.http_keys import keys_router
 from gateway.http_objects import object_router
 from gateway.http_state import DEFAULT_BODY_POOL, DEFAULT_MAX_BODY, ServiceState
 from gateway.memory import BufferPool
@@ -142,6 +143,6 @@ def create_app(
     _add_error_handlers(app)
     guarded = [Depends(token_guard(token))] if token is not None else []
     app.include_router(health_router())
-    for router in (object_router(), batch_router(), admin_router()):
+    for router in (object_router(), keys_router(), batch_router(), admin_router()):
         app.include_router(router, dependencies=guarded)
     return app

@@ -92,13 +92,17 @@ def test_odd_keys_travel_as_one_path_segment(kvgate: CliRunner, tmp_path: Path) 
         assert run(kvgate, "get", key)[1] == f"v{i}".encode()
 
 
-def test_ls_says_what_it_needs(kvgate: CliRunner) -> None:
-    code, _, err = run(kvgate, "ls", "cli/")
-    if code == 0:
-        pytest.skip("the service can list keys")
-    assert code == 2
-    assert "no listing route" in err
-    assert "/v1/keys" in err
+def test_ls_lists_keys_sorted_with_their_sizes(kvgate: CliRunner) -> None:
+    for i in (3, 1, 2):
+        assert run(kvgate, "put", f"ls/k{i}", "-", stdin=b"x" * i)[0] == 0
+    assert run(kvgate, "put", "other/k", "-", stdin=b"y")[0] == 0
+    code, out, _ = run(kvgate, "ls", "ls/", "--json")
+    assert code == 0
+    listed = json.loads(out)["keys"]
+    assert listed == [{"key": f"ls/k{i}", "size": i} for i in (1, 2, 3)]
+    code, out, _ = run(kvgate, "ls", "ls/", "--limit", "2")
+    assert code == 0
+    assert out.decode().split() == ["1", "ls/k1", "2", "ls/k2"]
 
 
 def test_unreachable_gateway_exits_3(kvgate: CliRunner) -> None:

@@ -8,8 +8,9 @@ has a deadline (``timeout``, around the whole call) and goes through ``errors.py
   (``wire.py``), and so does a frame the remote refuses as corrupt or cannot decode.
 - get: ``Accept: application/vnd.kvgate.frame`` with ``x-kvgate-codec`` (the ``codec`` option,
   raw by default): the frame comes back as the remote encoded it; 404 is a miss.
-- exists is HEAD, delete is DELETE. The HTTP API has no listing route, so ``list`` is
-  unsupported (``capabilities.list`` is False).
+- exists is HEAD, delete is DELETE. ``list`` is unsupported (``capabilities.list`` is False):
+  the remote's ``GET /v1/keys`` reports the sizes of its own objects, not of the frames this
+  tier wrote, and keys this connector escaped would come back escaped.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def batch_router() -> APIRouter:
     async def batch_put(request: Request) -> Response:
         """Store every entry of the body (each a key and its frame), in order."""
         state = state_of(request)
-        body = await read_body(request, state.max_body, state.body_pool)
+        body = await read_body(request, state.max_body, state.body_pool, state.body_budget)
         try:
             for i, (key, frame) in enumerate(split_entries(body.view)):
                 try:

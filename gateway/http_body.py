@@ -20,6 +20,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from gateway.byte_budget import ByteBudget
 from gateway.codec import Codec
 from gateway.errors import (
     CapacityError,
@@ -57,11 +58,19 @@ class BadRequest(GatewayError):
 class Body:
     """A request body in one contiguous buffer; ``release()`` returns it to the pool."""
 
-    __slots__ = ("_slab", "array")
+    __slots__ = ("_budget", "_held", "_slab", "array")
 
-    def __init__(self, array: np.ndarray[Any, Any], slab: Slab | None) -> None:
+    def __init__(
+        self,
+        array: np.ndarray[Any, Any],
+        slab: Slab | None,
+        budget: ByteBudget | None = None,
+        held: int = 0,
+    ) -> None:
         self.array = array  # uint8, exactly the body's length
         self._slab = slab
+        self._budget = budget  # what this body holds of the server's in-flight byte budget
+        self._held = held
 
     @property
     def view(self) -> memoryview:
@@ -74,6 +83,9 @@ class Body:
         if self._slab is not None:
             self._slab.release()
             self._slab = None
+        if self._budget is not None:
+            self._budget.release(self._held)
+            self._budget = None
 
 
 def _declared_length(request: Request) -> int | None:
@@ -85,11 +97,34 @@ def _declared_length(request: Request) -> int | None:
     return int(text)
 
 
-async def read_body(request: Request, limit: int, pool: BufferPool | None = None) -> Body:
-    """The whole body, refused with ``CapacityError`` once it is known to exceed ``limit``."""
+async def read_body(
+    request: Request,
+    limit: int,
+    pool: BufferPool | None = None,
+    budget: ByteBudget | None = None,
+) -> Body:
+    """The whole body, refused with ``CapacityError`` once it is known to exceed ``limit``.
+
+    With a ``budget``, the body's bytes are reserved from it before they are read (a chunked
+    body of unknown length reserves ``limit``); ``Body.release`` gives them back.
+    """
     declared = _declared_length(request)
     if declared is not None and declared > limit:
         raise CapacityError(f"request body of {declared} bytes exceeds the limit of {limit}")
+    held = await budget.acquire(limit if declared is None else declared) if budget else 0
+    try:
+        body = await _read(request, limit, declared, pool)
+    except BaseException:
+        if budget is not None:
+            budget.release(held)
+        raise
+    body._budget, body._held = budget, held
+    return body
+
+
+async def _read(
+    request: Request, limit: int, declared: int | None, pool: BufferPool | None
+) -> Body:
     if declared is None:  # chunked: grow, counting as it streams
         grown = bytearray()
         async for chunk in request.stream():

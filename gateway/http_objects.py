@@ -157,7 +157,7 @@ def object_router() -> APIRouter:
         media = (content_type or OCTETS).partition(";")[0].strip().lower()
         if media not in (OCTETS, FRAME_TYPE):
             raise BadRequest(f"Content-Type must be {OCTETS} or {FRAME_TYPE}, not {media!r}")
-        body: Body = await read_body(request, state.max_body, state.body_pool)
+        body: Body = await read_body(request, state.max_body, state.body_pool, state.body_budget)
         try:
             if media == FRAME_TYPE:
                 obj, header = await frame_object(body.view, state.codecs, state.max_body)

@@ -11,6 +11,7 @@ from typing import cast
 
 from starlette.requests import Request
 
+from gateway.byte_budget import ByteBudget
 from gateway.http_body import Codecs
 from gateway.memory import BufferPool
 from gateway.store import Store
@@ -29,6 +30,7 @@ class ServiceState:
     max_json: int = DEFAULT_MAX_JSON
     body_pool_size: int = DEFAULT_BODY_POOL
     body_pool: BufferPool | None = None  # built in the lifespan (prefaulting takes time)
+    body_budget: ByteBudget | None = None  # bytes all request bodies may hold at once
     codecs: Codecs = field(default_factory=Codecs)
     ready: bool = False
 

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from gateway.auth import Unauthorized, token_guard
+from gateway.byte_budget import ByteBudget
 from gateway.errors import (
     CapacityError,
     ConfigError,
@@ -102,6 +103,8 @@ def create_app(
     token: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     body_pool: int = DEFAULT_BODY_POOL,
+    body_budget: int | None = None,
+    budget_wait: float = 30.0,
     lm_host: str = "127.0.0.1",
     lm_port: int | None = None,
 ) -> FastAPI:
@@ -109,10 +112,13 @@ def create_app(
 
     ``token``: require ``Authorization: Bearer <token>`` on everything but the health
     endpoints and the OpenAPI document. ``max_body``: the largest request body (413 past it).
-    ``body_pool``: bytes kept prefaulted for request bodies. ``lm_port``: also serve LMCache's
-    lm:// protocol there, on the same Store.
+    ``body_pool``: bytes kept prefaulted for request bodies. ``body_budget``: bytes all
+    request bodies may hold at once (default twice ``max_body``); past it a request waits up to
+    ``budget_wait`` seconds, then gets 503. ``lm_port``: also serve LMCache's lm:// protocol
+    there, on the same Store.
     """
     state = ServiceState(Store(config), max_body=max_body, body_pool_size=body_pool)
+    state.body_budget = ByteBudget(body_budget or 2 * max_body, budget_wait)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -15,7 +15,7 @@ from gateway.frame import FrameInfo, encode_header
 from gateway.types import Buffer, BufferParts, ParamValue
 
 if TYPE_CHECKING:
-    from gateway.objects import ObjectData
+    from gateway.objects import ObjectData, ObjectMeta
 
 
 @runtime_checkable
@@ -37,16 +37,16 @@ class Codec(Protocol):
         ...
 
 
-def encode_frame(codec: Codec, obj: ObjectData) -> tuple[bytes, list[memoryview], FrameInfo]:
-    """Encode ``obj`` as a tier writes it: the frame head, the payload parts and the header.
-
-    The blob is ``head + b"".join(parts)``; nothing is copied here.
-    """
-    payload, params = codec.encode(obj)
-    parts = as_parts(payload)
-    meta = obj.meta
-    head, header = encode_header(
-        codec=codec.name,
+def frame_head(
+    codec: str,
+    meta: ObjectMeta,
+    parts: list[memoryview],
+    params: dict[str, ParamValue],
+    ttl: float | None = None,
+) -> tuple[bytes, FrameInfo]:
+    """The frame head (prefix, header, padding) of an object's encoded payload parts."""
+    return encode_header(
+        codec=codec,
         kind=meta.kind,
         dtype=meta.dtype,
         shape=meta.shape,
@@ -54,5 +54,16 @@ def encode_frame(codec: Codec, obj: ObjectData) -> tuple[bytes, list[memoryview]
         payload=parts,
         fmt=meta.fmt,
         params=params,
+        ttl=ttl,
     )
+
+
+def encode_frame(codec: Codec, obj: ObjectData) -> tuple[bytes, list[memoryview], FrameInfo]:
+    """Encode ``obj`` as a tier writes it: the frame head, the payload parts and the header.
+
+    The blob is ``head + b"".join(parts)``; nothing is copied here.
+    """
+    payload, params = codec.encode(obj)
+    parts = as_parts(payload)
+    head, header = frame_head(codec.name, obj.meta, parts, params)
     return head, parts, header

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gateway.codec import Codec
+from gateway.codec import Codec, frame_head
 from gateway.connector import Connector, as_parts
 from gateway.errors import CapacityError, CorruptObject, GatewayError
-from gateway.frame import FrameHeader, decode_frame, encode_header
+from gateway.frame import FrameHeader, decode_frame
 from gateway.memory import BufferPool, Slab
 from gateway.objects import ObjectData, ObjectMeta, check_meta, to_object
 from gateway.policies import EvictionPolicy
@@ -236,7 +236,7 @@ class ConnectorTier:
             raise CapacityError(f"{size} bytes exceed {self.name}'s object limit of {limit}")
         head, _ = await offload(
             size,
-            _header_for,
+            frame_head,
             self.codec.name,
             meta,
             parts,
@@ -337,26 +337,6 @@ def _expiry(header: FrameHeader) -> float | None:
 
 def _same_buffer(a: Buffer, b: memoryview) -> bool:
     return a is b or (isinstance(a, memoryview) and a.obj is b.obj and a.nbytes == b.nbytes)
-
-
-def _header_for(
-    codec: str,
-    meta: ObjectMeta,
-    parts: list[memoryview],
-    params: dict[str, Any],
-    ttl: float | None,
-) -> tuple[bytes, FrameHeader]:
-    return encode_header(
-        codec=codec,
-        kind=meta.kind,
-        dtype=meta.dtype,
-        shape=meta.shape,
-        raw_len=meta.nbytes,
-        payload=parts,
-        fmt=meta.fmt,
-        params=params,
-        ttl=ttl,
-    )
 
 
 def _meta_of(header: FrameHeader) -> ObjectMeta:

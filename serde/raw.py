@@ -22,9 +22,14 @@ class RawCodec:
         return obj.host(), {}
 
     def decode(self, payload: memoryview, info: FrameInfo, out: memoryview | None) -> Buffer:
-        if payload.nbytes != info.raw_len:
-            raise CorruptObject(f"raw payload is {payload.nbytes} bytes, expected {info.raw_len}")
-        if out is None:
-            return payload
-        out[:] = payload
-        return out
+        return decode_raw(payload, info, out)
+
+
+def decode_raw(payload: memoryview, info: FrameInfo, out: memoryview | None) -> Buffer:
+    """The payload is the object's bytes (also what lossy codecs store in their raw mode)."""
+    if payload.nbytes != info.raw_len:
+        raise CorruptObject(f"raw payload is {payload.nbytes} bytes, expected {info.raw_len}")
+    if out is None:
+        return payload
+    out[:] = payload
+    return out

@@ -17,6 +17,7 @@ from gateway.errors import CorruptObject
 from gateway.frame import FrameInfo
 from gateway.objects import ObjectData, torch_dtype
 from gateway.types import Buffer, BufferParts, ParamValue
+from serde.raw import decode_raw
 
 if TYPE_CHECKING:
     import torch
@@ -55,13 +56,7 @@ def is_raw(info: FrameInfo) -> bool:
     return info.params.get("mode") == "raw"
 
 
-def raw_decode(payload: memoryview, info: FrameInfo, out: memoryview | None) -> Buffer:
-    if payload.nbytes != info.raw_len:
-        raise CorruptObject(f"raw payload is {payload.nbytes} bytes, expected {info.raw_len}")
-    if out is None:
-        return payload
-    out[:] = payload
-    return out
+raw_decode = decode_raw  # the raw codec's own decoder
 
 
 def check_decodable(info: FrameInfo) -> None:

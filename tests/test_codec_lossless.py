@@ -47,17 +47,8 @@ def encode(codec: Codec, data: ObjectData) -> tuple[bytes, FrameInfo]:
 def round_trip(codec: Codec, obj: object) -> tuple[object, int]:
     """Through a whole frame, as a tier does: the decoded object and the payload size."""
     data = to_object_data(obj)
-    body, header = encode(codec, data)
-    head, _ = encode_header(
-        codec=codec.name,
-        kind=header.kind,
-        dtype=header.dtype,
-        shape=header.shape,
-        raw_len=header.raw_len,
-        payload=body,
-        params=header.params,
-        fmt=header.fmt,
-    )
+    head, parts, _ = encode_frame(codec, data)
+    body = b"".join(bytes(p) for p in parts)
     info, payload = decode_frame(head + body)
     out = bytearray(info.raw_len)
     raw = codec.decode(payload, info, memoryview(out))

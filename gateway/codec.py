@@ -43,8 +43,12 @@ def frame_head(
     parts: list[memoryview],
     params: dict[str, ParamValue],
     ttl: float | None = None,
+    checksum: int | None = None,
 ) -> tuple[bytes, FrameInfo]:
-    """The frame head (prefix, header, padding) of an object's encoded payload parts."""
+    """The frame head (prefix, header, padding) of an object's encoded payload parts.
+
+    ``checksum``: the payload's xxh3_64 when the caller already has it (else it is hashed).
+    """
     return encode_header(
         codec=codec,
         kind=meta.kind,
@@ -55,6 +59,7 @@ def frame_head(
         fmt=meta.fmt,
         params=params,
         ttl=ttl,
+        checksum=checksum,
     )
 
 

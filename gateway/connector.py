@@ -27,7 +27,21 @@ from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 T = TypeVar("T")
 
 Allocator = Callable[[int], memoryview | None]
-"""Gives a writable buffer of exactly n bytes (a pool slab), or None when there is no room."""
+"""Gives a writable buffer of exactly n bytes (a pool slab), or None when there is no room.
+
+An allocator may also have a ``filled(start, stop)`` method. A connector that fills the buffer
+in ranges may call it, from any thread, each time ``buf[start:stop]`` holds its final bytes;
+the store then checksums those bytes while they are still in the CPU cache. Calling it is
+optional (nothing is lost without it) and it is never called for a buffer alloc did not give.
+"""
+
+FillHook = Callable[[int, int], None]
+
+
+def fill_hook(alloc: Allocator) -> FillHook | None:
+    """``alloc.filled`` if the allocator offers one (see ``Allocator``)."""
+    hook = getattr(alloc, "filled", None)
+    return hook if callable(hook) else None
 
 
 @runtime_checkable

@@ -68,6 +68,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def payload_offset_of(header_len: int) -> int:
+    """Where the payload starts in a frame whose header is ``header_len`` bytes."""
+    return _align(PREFIX_LEN + header_len)
+
+
 def payload_checksum(payload: Buffer | Sequence[Buffer]) -> int:
     if isinstance(payload, bytes | bytearray | memoryview):
         return xxhash.xxh3_64_intdigest(payload)
@@ -141,15 +146,21 @@ def parse_header(blob: Buffer) -> tuple[FrameHeader, int]:
         raise CorruptObject(f"undecodable frame header: {exc}") from None
     if header.payload_len < 0 or header.raw_len < 0 or any(d < 0 for d in header.shape):
         raise CorruptObject("negative length or dimension in frame header")
-    offset = _align(PREFIX_LEN + header_len)
+    offset = payload_offset_of(header_len)
     pad = view[PREFIX_LEN + header_len : min(offset, view.nbytes)]
     if pad.nbytes and any(pad):
         raise CorruptObject("non-zero frame padding")
     return header, offset
 
 
-def decode_frame(blob: Buffer, *, verify: bool = True) -> tuple[FrameHeader, memoryview]:
-    """Split a whole blob into its header and a zero-copy payload view, verifying both."""
+def decode_frame(
+    blob: Buffer, *, verify: bool = True, digest: int | None = None
+) -> tuple[FrameHeader, memoryview]:
+    """Split a whole blob into its header and a zero-copy payload view, verifying both.
+
+    ``digest``: the payload's xxh3_64, already computed while the blob was read
+    (``StreamingChecksum``); it is compared instead of hashing the payload again.
+    """
     view = memoryview(blob).cast("B")
     header, offset = parse_header(view)
     if view.nbytes != offset + header.payload_len:
@@ -158,6 +169,8 @@ def decode_frame(blob: Buffer, *, verify: bool = True) -> tuple[FrameHeader, mem
             "or trailing bytes)"
         )
     payload = view[offset:]
-    if verify and xxhash.xxh3_64_intdigest(payload) != header.checksum:
+    if digest is None and verify:
+        digest = xxhash.xxh3_64_intdigest(payload)
+    if digest is not None and digest != header.checksum:
         raise CorruptObject("payload checksum mismatch")
     return header, payload

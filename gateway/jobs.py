@@ -55,10 +55,11 @@ class WriteJob:
     meta: ObjectMeta
     slab: Slab  # one reference owned by the job until it finishes
     expires_at: float | None = None  # wall-clock seconds, fixed at put time
+    checksum: int | None = None  # xxh3_64 of the slab's bytes, when the put computed it
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def data(self) -> ObjectData:
-        return ObjectData(self.meta, self.slab.view())
+        return ObjectData(self.meta, self.slab.view(), checksum=self.checksum)
 
 
 class Hold:

@@ -262,7 +262,9 @@ class Store:
                 await self._put_direct(k, data, expires_at)
                 return
             try:  # the put's own slab reference, released below whatever happens
-                await offload(nbytes, data.copy_into, slab.view(), device=not data.on_host)
+                data.checksum = await offload(
+                    nbytes, data.copy_hashed, slab.view(), device=not data.on_host
+                )
                 self._invalidate_fetch(k)
                 if self.l1 is not None:  # first, so that a get during the queue waits sees it
                     l1_expires = _expiry(ttl, self._l1_ttl)
@@ -274,7 +276,10 @@ class Store:
     async def _queue_writes(
         self, key: str, data: ObjectData, slab: Slab, expires_at: float | None
     ) -> None:
-        jobs = [WriteJob(key, data.meta, slab.acquire(), expires_at) for _ in self.writers]
+        jobs = [
+            WriteJob(key, data.meta, slab.acquire(), expires_at, data.checksum)
+            for _ in self.writers
+        ]
         for writer, job in zip(self.writers, jobs, strict=True):
             writer.register(job)  # every tier, before the first await
         queued = 0
@@ -348,6 +353,8 @@ class Store:
         found = await self._fetch_shared(k)
         if found is None:
             return None
+        if not found.copies():  # a lease on the slab: no bytes move, no thread needed
+            return found.to_object(), found.meta
         return await offload(found.meta.nbytes, found.to_object), found.meta
 
     async def get_many(self, keys: Sequence[KeyLike]) -> list[object | None]:

@@ -24,6 +24,7 @@ from gateway.codec import Codec, frame_head
 from gateway.connector import Connector, as_parts
 from gateway.errors import CapacityError, CorruptObject, GatewayError
 from gateway.frame import FrameHeader, decode_frame
+from gateway.frame_check import StreamingChecksum
 from gateway.memory import BufferPool, Slab
 from gateway.objects import ObjectData, ObjectMeta, check_meta, to_object
 from gateway.policies import EvictionPolicy
@@ -106,6 +107,13 @@ class Found:
         self.expires_at = expires_at  # wall-clock seconds, as in frame headers
         if slab is not None:
             weakref.finalize(self, slab.release)
+
+    def copies(self) -> bool:
+        """Whether ``to_object`` copies the bytes (else it is a zero-copy view: cheap)."""
+        if self.meta.kind in ("bytes", "bytearray"):
+            return True
+        # torch cannot wrap read-only memory: to_object copies it first
+        return self.slab is None and self.buffer is not None and memoryview(self.buffer).readonly
 
     def to_object(self) -> object:
         if self.slab is None:
@@ -224,9 +232,14 @@ class ConnectorTier:
     async def write(self, key: str, obj: ObjectData, ttl: float | None = None) -> None:
         meta = obj.meta
         limit = self.connector.capabilities.max_object_size
+        checksum = None
         if self.codec.name == "raw":  # host() copies only GPU or strided objects
-            payload: Any = await offload(meta.nbytes, obj.host, device=not obj.on_host)
+            if obj.host_ready:
+                payload: Any = obj.host()
+            else:
+                payload = await offload(meta.nbytes, obj.host, device=not obj.on_host)
             params: dict[str, Any] = {}
+            checksum = obj.checksum  # the payload is the object's bytes
         else:
             slow = self.codec.name not in _INLINE_CODECS or not obj.on_host
             payload, params = await offload(meta.nbytes, self.codec.encode, obj, device=slow)
@@ -235,13 +248,14 @@ class ConnectorTier:
         if limit is not None and size > limit:
             raise CapacityError(f"{size} bytes exceed {self.name}'s object limit of {limit}")
         head, _ = await offload(
-            size,
+            0 if checksum is not None else size,  # known checksum: nothing left to hash
             frame_head,
             self.codec.name,
             meta,
             parts,
             params,
             self.ttl if ttl is None else ttl,
+            checksum,
         )
         await self.connector.put(key, [head, *parts])
 
@@ -264,15 +278,8 @@ class ConnectorTier:
     async def _read(
         self, key: str, alloc: Callable[[int], Slab | None], max_size: int
     ) -> Found | None:
-        frame_slab: list[Slab] = []
-
-        def alloc_frame(n: int) -> memoryview | None:
-            slab = alloc(n)
-            if slab is None:
-                return None
-            frame_slab.append(slab)
-            return slab.view()
-
+        alloc_frame = _FrameAlloc(alloc)
+        frame_slab = alloc_frame.slabs
         try:
             if self.connector.capabilities.zero_copy:
                 blob: Buffer | None = await self.connector.get_into(key, alloc_frame)
@@ -281,7 +288,11 @@ class ConnectorTier:
             if blob is None:
                 return None
             size = memoryview(blob).nbytes
-            header, payload = await offload(size, decode_frame, blob)
+            digest = alloc_frame.digest(blob)
+            if digest is not None:  # hashed while it was read: the rest is a header check
+                header, payload = decode_frame(blob, digest=digest)
+            else:
+                header, payload = await offload(size, decode_frame, blob)
             if header.raw_len > max_size:
                 raise CorruptObject(f"frame claims {header.raw_len} bytes, over {max_size}")
             meta = _meta_of(header)
@@ -329,6 +340,38 @@ class ConnectorTier:
 
     async def delete(self, key: str) -> bool:
         return await self.connector.delete(key)
+
+
+class _FrameAlloc:
+    """The allocator a tier hands its connector: pool slabs, plus the ``filled`` hook that
+    checksums the frame while the connector reads it (see ``gateway.connector.Allocator``)."""
+
+    __slots__ = ("_alloc", "_check", "_view", "slabs")
+
+    def __init__(self, alloc: Callable[[int], Slab | None]) -> None:
+        self._alloc = alloc
+        self.slabs: list[Slab] = []
+        self._view: memoryview | None = None  # the latest buffer given (a retry asks again)
+        self._check: StreamingChecksum | None = None
+
+    def __call__(self, n: int) -> memoryview | None:
+        slab = self._alloc(n)
+        if slab is None:
+            return None
+        self.slabs.append(slab)
+        self._view = slab.view()
+        self._check = StreamingChecksum(self._view)
+        return self._view
+
+    def filled(self, start: int, stop: int) -> None:
+        if self._check is not None:
+            self._check.filled(start, stop)
+
+    def digest(self, blob: Buffer) -> int | None:
+        """The payload digest, if ``blob`` is the buffer given and it was all reported."""
+        if self._check is None or blob is not self._view:
+            return None
+        return self._check.digest()
 
 
 def _expiry(header: FrameHeader) -> float | None:

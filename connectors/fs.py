@@ -33,6 +33,7 @@ so no thread touches the caller's buffers after the call is over.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -43,6 +44,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Self, TypeVar
 from urllib.parse import unquote
 
@@ -102,36 +104,63 @@ def _no_buffer(size: int) -> memoryview | None:
 
 
 PARALLEL_READ_BYTES = 8 << 20
-# With a fill hook, the first reader also hashes, in order, what the second has read: it reads
-# the smaller share so that both finish together.
-FIRST_SHARE_HOOKED = 0.4
 
 
-async def _read_ranges(
-    fd: int, buf: memoryview, offset: int, filled: FillHook | None = None
+# A large get reads in two threads: the one its job runs in and a helper from this pool. The
+# helper is started from the job's thread, so a get costs the event loop one thread hop.
+def _read_helpers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvgate-fs-read")
+
+
+_READ_HELPERS = _read_helpers()
+
+
+def _new_helpers_after_fork() -> None:
+    global _READ_HELPERS  # a forked child inherits the executor but not its threads
+    _READ_HELPERS = _read_helpers()
+
+
+os.register_at_fork(after_in_child=_new_helpers_after_fork)
+
+
+class _SizeChanged(Exception):
+    """The file holds another size than the index said: a put replaced it meanwhile."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+def _read_object(
+    path: str, key: str, buf: memoryview, filled: FillHook | None, stop: threading.Event
 ) -> None:
-    """Fill ``buf`` from ``fd`` at ``offset``; large reads run as two parts in parallel.
+    """Check the record at ``path`` and read its data into ``buf`` (exactly its size).
 
-    A read from the page cache is a memory copy that one thread cannot saturate, so two
-    threads halve the time of a warm 32 MiB get. Both parts are awaited even when one fails,
-    so no thread still writes into ``buf`` (or reads a closed fd) when this returns.
-    ``filled`` is the allocator's hook (see ``gateway.connector.Allocator``).
+    A read from the page cache is a memory copy that one thread cannot saturate: a large one
+    also runs in a helper thread, both taking interleaved steps (``_fsrecord.Steps``), which
+    nearly halves a warm 32 MiB get. The helper is always waited for, so no thread writes into
+    ``buf`` (or reads a closed fd) after this returns. ``filled`` is the allocator's hook.
     """
-    if buf.nbytes < PARALLEL_READ_BYTES:
-        await _in_thread(lambda stop: rec.read_exact(fd, buf, offset, stop, filled))
-        return
-    share = FIRST_SHARE_HOOKED if filled is not None else 0.5
-    cut = int(buf.nbytes * share) // 4096 * 4096
-    results = await asyncio.gather(
-        _in_thread(lambda stop: rec.read_exact(fd, buf[:cut], offset, stop, filled)),
-        _in_thread(
-            lambda stop: rec.read_exact(fd, buf[cut:], offset + cut, stop, filled, base=cut)
-        ),
-        return_exceptions=True,
-    )
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
+    fd, record = rec.open_record(path, key)
+    try:
+        if record.data_len != buf.nbytes:
+            raise _SizeChanged(record.data_len)
+        steps = rec.Steps(buf.nbytes)
+        offset = record.data_offset
+        if buf.nbytes < PARALLEL_READ_BYTES:
+            rec.read_steps(fd, buf, offset, steps, stop, filled)
+            return
+        helper = _READ_HELPERS.submit(rec.read_steps, fd, buf, offset, steps, stop, filled)
+        try:
+            rec.read_steps(fd, buf, offset, steps, stop, filled)
+        except BaseException:
+            stop.set()  # the helper stops at its next step
+            raise
+        finally:
+            concurrent.futures.wait([helper])
+        helper.result()  # its error, if this thread had none
+    finally:
+        os.close(fd)  # a close of a read-only fd does not wait for the disk
 
 
 def _fsync_dir(path: str) -> None:
@@ -328,31 +357,39 @@ class FileConnector(BaseConnector):
         return await self.get_into(key, _no_buffer)
 
     async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
-        """Read the object straight into ``alloc(size)`` (a new bytearray if alloc says no)."""
+        """Read the object straight into ``alloc(size)`` (a new bytearray if alloc says no).
+
+        The size comes from the index, so the buffer is ready before the file is opened and
+        the whole read is one job in a worker thread.
+        """
         with self._op():
-            if key not in await self._ready():
+            size = (await self._ready()).get(key)
+            if size is None:
                 return None
             path = self.path_for(key)
             try:
-                fd, record = await _in_thread(
-                    lambda stop: rec.open_record(path, key), lambda opened: os.close(opened[0])
-                )
-                try:
-                    given = alloc(record.data_len)
-                    buf = memoryview(bytearray(record.data_len)) if given is None else given
-                    if buf.nbytes != record.data_len:
-                        raise ValueError(f"alloc({record.data_len}) gave {buf.nbytes} bytes")
+                for _ in range(2):
+                    given = alloc(size)
+                    buf = memoryview(bytearray(size)) if given is None else given.cast("B")
+                    if buf.nbytes != size:
+                        raise ValueError(f"alloc({size}) gave {buf.nbytes} bytes")
                     filled = fill_hook(alloc) if given is not None else None
-                    await _read_ranges(fd, buf.cast("B"), record.data_offset, filled)
-                finally:
-                    os.close(fd)  # a close of a read-only fd does not wait for the disk
+                    try:
+                        await _in_thread(
+                            lambda stop: _read_object(path, key, buf, filled, stop)  # noqa: B023
+                        )
+                        break
+                    except _SizeChanged as changed:
+                        size = changed.size
+                else:  # replaced twice while we read: an object this busy is a miss now
+                    return None
             except _UNREADABLE:
                 await self._forget_unreadable(key)
                 return None
             except OSError as exc:
                 raise Unavailable(f"{self!r}: reading {key!r}: {exc}") from exc
             self._touch(key)
-            return buf
+            return given if given is not None else buf
 
     def _touch(self, key: str) -> None:
         if self._policy is not None and self._index is not None and key in self._index:

@@ -1,0 +1,120 @@
+"""file:// reads of large objects: two threads taking interleaved steps, a file replaced
+behind the index, a file cut short while it is read, and a cancelled read."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from connectors._fsrecord import pack_head
+from connectors.fs import PARALLEL_READ_BYTES, FileConnector
+
+MiB = 1 << 20
+BIG = PARALLEL_READ_BYTES + 3 * MiB + 123  # two reading threads, a short last step
+
+
+def payload(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+class Recorder:
+    """An allocator with the fill hook: records what the connector reports."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.sizes: list[int] = []
+
+    def __call__(self, n: int) -> memoryview:
+        self.sizes.append(n)
+        self.ranges.clear()
+        return memoryview(bytearray(n))
+
+    def filled(self, start: int, stop: int) -> None:
+        self.ranges.append((start, stop))  # list.append is atomic: called from two threads
+
+
+async def test_large_read_reports_every_byte_once(tmp_path: Path) -> None:
+    conn = FileConnector(tmp_path)
+    data = payload(BIG, 1)
+    await conn.put("k", data)
+    alloc = Recorder()
+    got = await conn.get_into("k", alloc)
+    assert got is not None
+    assert bytes(got) == data
+    covered = sorted(alloc.ranges)
+    assert covered[0][0] == 0
+    assert covered[-1][1] == BIG
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+    await conn.close()
+
+
+async def test_a_file_replaced_with_another_size_is_read_at_its_size(tmp_path: Path) -> None:
+    """What a put racing a get looks like: the index says one size, the file has another."""
+    conn = FileConnector(tmp_path)
+    small = payload(1000, 2)
+    await conn.put("k", small)
+    saved = tmp_path / "saved"
+    shutil.copy(conn.path_for("k"), saved)
+    await conn.put("k", payload(BIG, 3))
+    os.replace(saved, conn.path_for("k"))
+    alloc = Recorder()
+    got = await conn.get_into("k", alloc)
+    assert got is not None
+    assert bytes(got) == small
+    assert alloc.sizes == [BIG, 1000]
+    await conn.close()
+
+
+class CutsTheFile(Recorder):
+    """Shrinks the file once the first step is in: the later steps, in either thread, find it
+    short (what a disk that loses the file's tail mid-read looks like)."""
+
+    def __init__(self, path: str, size: int) -> None:
+        super().__init__()
+        self.path, self.size = path, size
+
+    def filled(self, start: int, stop: int) -> None:
+        if not self.ranges:
+            os.truncate(self.path, self.size)
+        super().filled(start, stop)
+
+
+@pytest.mark.parametrize("keep", [MiB + 1, BIG // 2, BIG - 1])
+async def test_a_record_cut_short_mid_read_is_a_miss(tmp_path: Path, keep: int) -> None:
+    conn = FileConnector(tmp_path)
+    await conn.put("k", payload(BIG, 4))
+    path = conn.path_for("k")
+    header = len(pack_head("k", BIG))  # the record's bytes before the data
+    assert await conn.get_into("k", CutsTheFile(path, header + keep)) is None
+    assert not await conn.exists("k")
+    assert conn.corrupt_files == 1  # the short file went to quarantine
+    await conn.put("k", b"fresh")
+    assert await conn.get("k") == b"fresh"
+    await conn.close()
+
+
+async def test_a_cancelled_large_read_leaves_the_connector_usable(tmp_path: Path) -> None:
+    conn = FileConnector(tmp_path)
+    data = payload(BIG, 5)
+    await conn.put("k", data)
+    for delay in (0, 0.0005, 0.002):
+        task = asyncio.ensure_future(conn.get_into("k", Recorder()))
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            got = await task
+        except asyncio.CancelledError:
+            pass
+        else:  # it finished before the cancel landed: then it is whole
+            assert got is not None
+            assert bytes(got) == data
+    got = await conn.get("k")
+    assert got is not None
+    assert bytes(got) == data
+    await conn.close()

@@ -76,6 +76,9 @@ class Store:
         self._closed = False
         self._open_lock = asyncio.Lock()
         self._l1_ttl: float | None = None
+        # A raw frame's checksum is the object's hash: computed while put copies the object
+        # when some lower tier writes raw frames, and not at all for a memory-only store.
+        self._hash_on_copy = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -127,6 +130,7 @@ class Store:
                 )
                 writer.start()
                 self.writers.append(writer)
+            self._hash_on_copy = any(t.codec.name == "raw" for t in self.tiers)
         except BaseException:
             await self._close_tiers()
             raise
@@ -262,9 +266,12 @@ class Store:
                 await self._put_direct(k, data, expires_at)
                 return
             try:  # the put's own slab reference, released below whatever happens
-                data.checksum = await offload(
-                    nbytes, data.copy_hashed, slab.view(), device=not data.on_host
-                )
+                if self._hash_on_copy:
+                    data.checksum = await offload(
+                        nbytes, data.copy_hashed, slab.view(), device=not data.on_host
+                    )
+                else:
+                    await offload(nbytes, data.copy_into, slab.view(), device=not data.on_host)
                 self._invalidate_fetch(k)
                 if self.l1 is not None:  # first, so that a get during the queue waits sees it
                     l1_expires = _expiry(ttl, self._l1_ttl)

@@ -11,8 +11,13 @@ Only hex digits from a hash become path components, so no key can name a file ou
 root. The lock makes the root exclusive to one connector (in this or any process): the index
 in memory is then the truth about what is stored, and ``exists`` needs no I/O.
 
-put writes a temp file with ``os.writev`` (no joining of parts), fsyncs it, renames it into
-place and fsyncs the directory: readers see the old file or the new one, never a partial one.
+put writes a temp file with ``os.writev`` (no joining of parts), fsyncs it and renames it into
+place: readers see the old file or the new one, never a partial one, and a crash leaves a whole
+record or none. ``fsync_dir`` (off by default) also fsyncs the directory after the rename, so
+that a put that returned survives a power loss. A cache may lose its newest puts in a crash (a
+miss, never a wrong object: records are checked at start and frames at every read), and each
+directory fsync is one more journal commit to wait for: measured here, 6 alternating rounds of
+32 x 32 MiB puts through a Store ran at 1.85-1.97 GB/s without it and 0.87-2.18 with it.
 Puts and deletes of one key are serialized by a per-key lock; reads take no lock.
 
 The index is built lazily, in a worker thread, by the first operation (or an explicit
@@ -76,7 +81,7 @@ class FileOptions(StrictOptions):
     capacity: int | None = Field(default=None, gt=0, description="bytes; None = unbounded")
     eviction: str = "lru"
     fsync: bool = True
-    fsync_dir: bool = True
+    fsync_dir: bool = False
 
 
 async def _in_thread(
@@ -211,7 +216,7 @@ class FileConnector(BaseConnector):
         capacity: int | None = None,
         eviction: str = "lru",
         fsync: bool = True,
-        fsync_dir: bool = True,
+        fsync_dir: bool = False,
     ) -> None:
         if capacity is not None and capacity <= 0:
             raise ConfigError(f"file:// capacity must be > 0 bytes, got {capacity}")

@@ -60,9 +60,10 @@ async def test_record_format_on_disk(tmp_path: Path) -> None:
     assert path.suffix == ".kvo"
 
 
-async def test_restart_rebuilds_the_index_from_headers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fsync_dir", [False, True])
+async def test_restart_rebuilds_the_index_from_headers(tmp_path: Path, fsync_dir: bool) -> None:
     objects = {f"k{i}": make_bytes(size, seed=i) for i, size in enumerate((0, 1, 4 * KiB, MiB))}
-    first = FileConnector(tmp_path)
+    first = FileConnector(tmp_path, fsync_dir=fsync_dir)
     for key, data in objects.items():
         await first.put(key, data)
     await first.put("k1", b"overwritten")

@@ -32,7 +32,10 @@ Allocator = Callable[[int], memoryview | None]
 An allocator may also have a ``filled(start, stop)`` method. A connector that fills the buffer
 in ranges may call it, from any thread, each time ``buf[start:stop]`` holds its final bytes;
 the store then checksums those bytes while they are still in the CPU cache. Calling it is
-optional (nothing is lost without it) and it is never called for a buffer alloc did not give.
+optional (nothing is lost without it). Ranges refer to the buffer alloc gave last, are
+reported once each and do not overlap; they are never reported for a buffer of the
+connector's own. The hook hashes the bytes in the calling thread and takes a lock briefly: it
+never blocks on I/O.
 """
 
 FillHook = Callable[[int, int], None]

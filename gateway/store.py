@@ -8,6 +8,9 @@
   verified, decoded into a slab and promoted into L1. Concurrent gets of one key share one
   fetch. A failing tier is a miss for the caller and a counted error for the operator.
 - Objects returned by ``get`` share memory with the cache (no copy): treat them as read-only.
+  (Writing into one whose write-back to a lower tier is still queued makes that tier's copy
+  fail its checksum, hashed when the object was put: a counted miss later, never a wrong
+  object.)
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from gateway.codec import Codec, frame_head
 from gateway.connector import Connector, as_parts
 from gateway.errors import CapacityError, CorruptObject, GatewayError
@@ -113,7 +115,12 @@ class Found:
         if self.meta.kind in ("bytes", "bytearray"):
             return True
         # torch cannot wrap read-only memory: to_object copies it first
-        return self.slab is None and self.buffer is not None and memoryview(self.buffer).readonly
+        return (
+            self.meta.kind == "tensor"
+            and self.slab is None
+            and self.buffer is not None
+            and memoryview(self.buffer).readonly
+        )
 
     def to_object(self) -> object:
         if self.slab is None:
@@ -279,7 +286,6 @@ class ConnectorTier:
         self, key: str, alloc: Callable[[int], Slab | None], max_size: int
     ) -> Found | None:
         alloc_frame = _FrameAlloc(alloc)
-        frame_slab = alloc_frame.slabs
         try:
             if self.connector.capabilities.zero_copy:
                 blob: Buffer | None = await self.connector.get_into(key, alloc_frame)
@@ -299,14 +305,14 @@ class ConnectorTier:
             if header.expired():
                 await self._discard(key)
                 return None
-            if frame_slab and header.codec == "raw":
+            in_slab = alloc_frame.slab_of(blob) if header.codec == "raw" else None
+            if in_slab is not None:
                 if payload.nbytes != header.raw_len:
+                    in_slab.release()
                     raise CorruptObject("raw payload length differs from the object's length")
-                # get_into read the frame into the slab alloc gave it (the contract says it
-                # must when alloc gives one): the payload is used in place, no copy.
-                slab = frame_slab.pop()
+                # The frame is in a pool slab: the payload is used in place, no copy.
                 return Found(
-                    meta, slab=slab, offset=size - payload.nbytes, expires_at=_expiry(header)
+                    meta, slab=in_slab, offset=size - payload.nbytes, expires_at=_expiry(header)
                 )
             codec = self._codec_for(header)
             out_slab = alloc(header.raw_len)
@@ -318,7 +324,7 @@ class ConnectorTier:
                 if out_slab is not None:
                     out_slab.release()
                 raise
-            if out_slab is not None and out is not None and _same_buffer(raw, out):
+            if out_slab is not None and out is not None and _same_memory(raw, out):
                 return Found(meta, slab=out_slab, offset=0, expires_at=_expiry(header))
             if out_slab is not None:
                 out_slab.release()
@@ -326,7 +332,7 @@ class ConnectorTier:
                 raise CorruptObject(f"codec {header.codec} returned the wrong length")
             return Found(meta, buffer=raw, expires_at=_expiry(header))
         finally:
-            for slab in frame_slab:
+            for slab in alloc_frame.slabs:
                 slab.release()
 
     async def _discard(self, key: str) -> None:
@@ -344,32 +350,52 @@ class ConnectorTier:
 
 class _FrameAlloc:
     """The allocator a tier hands its connector: pool slabs, plus the ``filled`` hook that
-    checksums the frame while the connector reads it (see ``gateway.connector.Allocator``)."""
+    checksums the frame while the connector reads it (see ``gateway.connector.Allocator``).
 
-    __slots__ = ("_alloc", "_check", "_view", "slabs")
+    A connector may call it more than once (a retry, a file replaced while it was read) and
+    may end up returning a buffer of its own: only the buffer given last, and only if it is
+    the one returned, is trusted to hold the frame (``slab_of``) or its digest (``digest``).
+    """
+
+    __slots__ = ("_alloc", "_check", "_given", "slabs")
 
     def __init__(self, alloc: Callable[[int], Slab | None]) -> None:
         self._alloc = alloc
-        self.slabs: list[Slab] = []
-        self._view: memoryview | None = None  # the latest buffer given (a retry asks again)
+        self.slabs: list[Slab] = []  # every slab given, released by the caller
+        self._given: tuple[Slab, memoryview] | None = None  # the latest, if it was a slab
         self._check: StreamingChecksum | None = None
 
     def __call__(self, n: int) -> memoryview | None:
+        self._given = None
+        self._check = None
         slab = self._alloc(n)
         if slab is None:
             return None
         self.slabs.append(slab)
-        self._view = slab.view()
-        self._check = StreamingChecksum(self._view)
-        return self._view
+        view = slab.view()
+        self._given = (slab, view)
+        self._check = StreamingChecksum(view)
+        return view
 
     def filled(self, start: int, stop: int) -> None:
-        if self._check is not None:
-            self._check.filled(start, stop)
+        check = self._check
+        if check is not None:
+            check.filled(start, stop)
+
+    def _holds(self, blob: Buffer) -> bool:
+        return self._given is not None and _same_memory(blob, self._given[1])
+
+    def slab_of(self, blob: Buffer) -> Slab | None:
+        """The slab ``blob`` lies in, taken out of ``slabs`` (the caller now owns it)."""
+        if self._given is None or not self._holds(blob):
+            return None
+        slab = self._given[0]
+        self.slabs.remove(slab)
+        return slab
 
     def digest(self, blob: Buffer) -> int | None:
-        """The payload digest, if ``blob`` is the buffer given and it was all reported."""
-        if self._check is None or blob is not self._view:
+        """The payload digest, if ``blob`` is the buffer given last and it was all reported."""
+        if self._check is None or not self._holds(blob):
             return None
         return self._check.digest()
 
@@ -378,8 +404,19 @@ def _expiry(header: FrameHeader) -> float | None:
     return None if header.ttl is None else header.created_at + header.ttl
 
 
-def _same_buffer(a: Buffer, b: memoryview) -> bool:
-    return a is b or (isinstance(a, memoryview) and a.obj is b.obj and a.nbytes == b.nbytes)
+def _same_memory(a: Buffer, b: memoryview) -> bool:
+    """Whether ``a`` is exactly the memory of ``b``: same address and length. (Views of one
+    arena share their ``obj``, so comparing that would confuse two slabs of equal size.)"""
+    if a is b:
+        return True
+    view = memoryview(a)
+    if view.nbytes != b.nbytes or view.nbytes == 0:
+        return False
+    return _address(view) == _address(b)
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def _meta_of(header: FrameHeader) -> ObjectMeta:

@@ -4,9 +4,12 @@ thread, equals the payload's xxh3; anything short of every byte gives no digest.
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,10 +17,17 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from connectors.fs import FileConnector
+from gateway import frame, tiers
 from gateway.errors import CorruptObject
 from gateway.frame import decode_frame, encode_header
 from gateway.frame_check import StreamingChecksum
+from gateway.memory import BufferPool, Slab
+from gateway.objects import to_object_data
+from gateway.registry import load_codec
 from gateway.store import Store
+from gateway.tiers import ConnectorTier
+from gateway.types import TierStats
 
 
 def frame_of(payload: bytes) -> bytearray:
@@ -109,18 +119,35 @@ def test_mangled_header_length_cannot_send_the_hash_past_the_buffer() -> None:
 
 
 async def test_file_tier_hashes_while_reading_and_still_catches_corruption(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A 24 MiB object takes the two-thread hashed read of the file tier; a flipped byte in
-    the file is still a counted miss."""
+    """A 24 MiB object: put hashes it once (no tier hashes it again), the file tier's get
+    hands decode_frame a digest made while reading, and a flipped byte in the file is still
+    a counted miss."""
+    hashed: list[int] = []
+    digests: list[int | None] = []
+    real_checksum, real_decode = frame.payload_checksum, tiers.decode_frame
+
+    def counting_checksum(payload: Any) -> int:
+        hashed.append(1)
+        return real_checksum(payload)
+
+    def spying_decode(blob: Any, **kw: Any) -> Any:
+        digests.append(kw.get("digest"))
+        return real_decode(blob, **kw)
+
+    monkeypatch.setattr(frame, "payload_checksum", counting_checksum)
+    monkeypatch.setattr(tiers, "decode_frame", spying_decode)
     obj = np.random.default_rng(1).integers(0, 256, 24 << 20, dtype=np.uint8)
     cfg = {"tiers": [{"url": f"file://{tmp_path}"}], "staging": 64 << 20}
     async with Store(cfg) as store:
         await store.put("k", obj)
         await store.flush()
+        assert hashed == []  # the checksum made while put copied the object was reused
         got = await store.get("k")
         assert got is not None
         assert np.array_equal(got, obj)
+        assert digests == [xxhash.xxh3_64_intdigest(obj)]
         del got
         path = next(p for p in (tmp_path / "objects").rglob("*.kvo"))
         blob = bytearray(path.read_bytes())
@@ -128,3 +155,34 @@ async def test_file_tier_hashes_while_reading_and_still_catches_corruption(
         path.write_bytes(blob)
         assert await store.get("k") is None
         assert store.stats()["file"].corrupt == 1
+
+
+async def test_a_slab_the_connector_did_not_fill_is_never_served(tmp_path: Path) -> None:
+    """The connector asked for a slab, then (the file changed size) for another buffer, got
+    none and read into its own: the first slab, never filled, must not be taken for the
+    object."""
+    conn = FileConnector(tmp_path)
+    tier = ConnectorTier("file", conn, load_codec("raw"), TierStats("file"))
+    small = np.arange(1000, dtype=np.uint16)
+    await tier.write("k", to_object_data(small))
+    saved = tmp_path / "saved"
+    shutil.copy(conn.path_for("k"), saved)
+    await tier.write("k", to_object_data(np.full(5000, 7, dtype=np.uint16)))
+    os.replace(saved, conn.path_for("k"))  # the index says 10000 bytes, the file holds 2000
+    pool = BufferPool(1 << 20)
+    calls: list[int] = []
+
+    def alloc(n: int) -> Slab | None:
+        calls.append(n)
+        if len(calls) > 1:
+            return None  # the pool is full by the time the connector asks again
+        slab = pool.alloc(n)
+        assert slab is not None
+        slab.view()[:] = b"\xab" * n  # what an earlier object left there
+        return slab
+
+    found = await tier.read("k", alloc, 1 << 30)
+    assert found is not None
+    assert np.array_equal(np.asarray(found.to_object()), small)
+    assert len(calls) >= 2
+    await conn.close()

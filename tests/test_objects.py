@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from gateway.errors import Unsupported
 from gateway.objects import ITEMSIZE, to_object, to_object_data
@@ -62,3 +63,28 @@ def test_unsupported_objects() -> None:
         to_object_data("a string")
     with pytest.raises(Unsupported):
         to_object_data(np.array([object()]))
+
+
+COPY_HASHED_CASES = {
+    "bytes": lambda: bytes(range(256)) * 3000,
+    "bytearray": lambda: bytearray(b"x" * 1000),
+    "memoryview": lambda: memoryview(b"y" * 10),
+    "empty": lambda: b"",
+    "ndarray": lambda: np.arange(300_001, dtype=np.int32),
+    "strided ndarray": lambda: np.arange(400, dtype=np.float64).reshape(20, 20).T,
+    "tensor": lambda: torch.arange(600_007, dtype=torch.float32).to(torch.bfloat16),
+    "strided tensor": lambda: torch.arange(100, dtype=torch.float16).reshape(10, 10).T,
+}
+
+
+@pytest.mark.parametrize("case", COPY_HASHED_CASES)
+def test_copy_hashed_copies_and_hashes_the_copy(case: str) -> None:
+    """Sizes that are not a multiple of the hash step, and strided objects (copied, then
+    hashed), give the object's bytes and their xxh3."""
+    data = to_object_data(COPY_HASHED_CASES[case]())
+    expected = bytearray(data.meta.nbytes)
+    data.copy_into(memoryview(expected))
+    dst = bytearray(b"\xab" * data.meta.nbytes)
+    digest = data.copy_hashed(memoryview(dst))
+    assert dst == expected
+    assert digest == xxhash.xxh3_64_intdigest(bytes(expected))

@@ -16,11 +16,12 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_frame import make_frame  # tests/ is on sys.path: the frame every test builds
 
 from connectors.fs import FileConnector
 from gateway import frame, tiers
 from gateway.errors import CorruptObject
-from gateway.frame import decode_frame, encode_header
+from gateway.frame import decode_frame
 from gateway.frame_check import StreamingChecksum
 from gateway.memory import BufferPool, Slab
 from gateway.objects import to_object_data
@@ -31,15 +32,7 @@ from gateway.types import TierStats
 
 
 def frame_of(payload: bytes) -> bytearray:
-    head, _ = encode_header(
-        codec="raw",
-        kind="bytes",
-        dtype="uint8",
-        shape=[len(payload)],
-        raw_len=len(payload),
-        payload=payload,
-    )
-    return bytearray(head + payload)
+    return bytearray(make_frame(payload))
 
 
 def cut_points(n: int, rng: random.Random, pieces: int) -> list[tuple[int, int]]:

@@ -18,8 +18,9 @@ that a put that returned survives a power loss. A cache may lose its newest puts
 (after a power loss, an overwritten key may come back with its previous value and a deleted
 key may reappear; never a torn or foreign object: records are checked at start and frames at
 every read), and each
-directory fsync is one more journal commit to wait for: measured here, 6 alternating rounds of
-32 x 32 MiB puts through a Store ran at 1.85-1.97 GB/s without it and 0.87-2.18 with it.
+directory fsync is one more journal commit to wait for. (Measured here with
+``benchmarks/disk_effects.py --only fsync_dir --rounds 14``: medians 1.07 GB/s without it and
+0.94 with it, within this disk's noise, which swings 0.6-2.2 from round to round.)
 Puts and deletes of one key are serialized by a per-key lock; reads take no lock.
 
 The index is built lazily, in a worker thread, by the first operation (or an explicit

@@ -91,9 +91,8 @@ def bench_sources(size: int, count: int, concurrency: int) -> np.ndarray[Any, An
     """The bytes the bench puts: distinct random objects spanning SOURCE_SPREAD (or ``count``
     of them), as an engine's KV chunks are distinct memory. Put i stores row ``i % rows``;
     the baselines write and copy the same rows, so both sides read their input from the same
-    kind of memory (one object put again and again would sit in the CPU cache: measured here,
-    4 threads writing+fsyncing 32 files ran at 1.8 GB/s from one 32 MiB buffer and 1.1 GB/s
-    from eight)."""
+    kind of memory. (One object put again and again partly stays in the CPU cache: memcpy of
+    32 MiB ran at 18.3 GB/s from one source and 16.7 from eight, median of 5 here.)"""
     rows = min(count, max(concurrency, 4, SOURCE_SPREAD // max(size, 1)))
     return np.random.default_rng(0).integers(0, 256, (rows, size), dtype=np.uint8)
 
@@ -216,9 +215,9 @@ def disk_baseline(
 
 
 def _settle_disk() -> None:
-    """Flush what deleting files left pending (journal commits, discards on a disk mounted with
-    ``discard``), so that the next measurement does not pay for the previous one's deletes:
-    measured here, writes right after deleting 1 GiB run at a third of their speed."""
+    """Flush what the previous phase left pending (dirty pages, the journal commits and
+    discards of its deletes on a disk mounted with ``discard``), so that every phase starts
+    from the same state instead of paying for the one before."""
     os.sync()
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.bench import write_fsynced
 from gateway.store import Store
 
 MiB = 1 << 20
@@ -47,14 +48,7 @@ def _write_files(directory: Path, source: Callable[[int], np.ndarray[Any, Any]])
     directory.mkdir(parents=True, exist_ok=True)
 
     def write(i: int) -> None:
-        fd = os.open(directory / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = source(i).data
-            while view.nbytes:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_fsynced(directory / f"f{i}", source(i).data)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(WRITERS) as pool:

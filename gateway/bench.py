@@ -183,14 +183,7 @@ def disk_baseline(
     paths = [directory / f"baseline-{i}" for i in range(count)]
 
     def write(i: int) -> None:
-        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = sources[i % slots].data
-            while view.nbytes:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_fsynced(paths[i], sources[i % slots].data)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max(1, writers)) as pool:
@@ -212,6 +205,18 @@ def disk_baseline(
         p.unlink()
     _settle_disk()
     return put, get
+
+
+def write_fsynced(path: Path, data: memoryview) -> None:
+    """The raw way to store bytes durably: write them all to a new file, then fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = data
+        while view.nbytes:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _settle_disk() -> None:

@@ -52,35 +52,28 @@ class StreamingChecksum:
                     if step is None:
                         self._hashing = False
                         return
-                self._hash.update(self._buf[step[0] : step[1]])
+                start, stop = step
+                if start < stop:  # the part of the range past the frame's head
+                    self._hash.update(self._buf[start:stop])
                 with self._lock:
-                    self._pos = step[1]
+                    self._pos = stop
         except BaseException:
             with self._lock:
                 self._hashing = False
             raise
 
     def _next_step(self) -> tuple[int, int] | None:
-        """The next range to hash (under the lock), or None when the next bytes are missing."""
+        """(under the lock) The next range's payload part to hash, and where the range ends;
+        None when the next bytes are missing or the prefix is not whole yet."""
         stop = self._ranges.pop(self._pos, None)
         if stop is None:
             return None
         if self._offset is None:
             self._offset = self._find_offset(stop)
             if self._offset is None:
-                self._ranges[self._pos] = stop  # the prefix is not whole yet: wait for more
+                self._ranges[self._pos] = stop  # wait for more of the prefix
                 return None
-        start = self._pos
-        while start < self._offset:  # the head is not hashed: skip it (it may span ranges)
-            if stop > self._offset:
-                start = self._offset
-                break
-            self._pos = stop
-            nxt = self._ranges.pop(stop, None)
-            if nxt is None:
-                return None
-            start, stop = stop, nxt
-        return start, stop
+        return max(self._pos, self._offset), stop
 
     def _find_offset(self, filled_to: int) -> int | None:
         """The payload offset if bytes 0..PREFIX_LEN are in and ``_pos`` is 0, else None."""

@@ -35,16 +35,14 @@ from gateway.memory import BufferPool, Slab
 from gateway.objects import HAS_TORCH, ITEMSIZE, check_meta, to_object
 from gateway.objects import ObjectMeta as Meta
 from gateway.registry import load_codec
-from gateway.tiers import offload
+from gateway.tiers import INLINE_CODECS, offload
+from gateway.types import BYTE_KINDS, OBJECT_KINDS
 
 FRAME_TYPE = "application/vnd.kvgate.frame"
 FRAMES_TYPE = "application/vnd.kvgate.frames"
 H_KIND, H_DTYPE, H_SHAPE = "x-kvgate-kind", "x-kvgate-dtype", "x-kvgate-shape"
 H_FORMAT, H_TTL = "x-kvgate-format", "x-kvgate-ttl"
 H_CODEC, H_CODEC_OPTIONS = "x-kvgate-codec", "x-kvgate-codec-options"
-KINDS = ("tensor", "ndarray", "bytes", "bytearray", "memoryview")
-BYTE_KINDS = ("bytes", "bytearray", "memoryview")  # all "bytes" over HTTP
-INLINE_CODECS = frozenset({"raw", "zstd", "lz4"})
 M = TypeVar("M", bound=BaseModel)
 MAX_CODECS = 32  # codec instances kept per (name, options); a bound, not a tuning knob
 
@@ -211,8 +209,8 @@ def object_of(body: Body, kind: str | None, dtype: str | None, shape_text: str |
     The object shares the body's memory: the store copies it before ``put`` returns.
     """
     kind = kind or ("tensor" if dtype else "bytes")
-    if kind not in KINDS:
-        raise BadRequest(f"bad {H_KIND} header {kind!r}: one of {', '.join(KINDS)}")
+    if kind not in OBJECT_KINDS:
+        raise BadRequest(f"bad {H_KIND} header {kind!r}: one of {', '.join(OBJECT_KINDS)}")
     if kind in BYTE_KINDS:
         if dtype not in (None, "uint8"):
             raise BadRequest(f"{kind} objects are uint8, not {dtype}")

@@ -20,7 +20,6 @@ from gateway.codec import encode_frame
 from gateway.errors import NotFound
 from gateway.http_body import (
     FRAME_TYPE,
-    INLINE_CODECS,
     BadRequest,
     Body,
     frame_object,
@@ -34,7 +33,7 @@ from gateway.http_body import (
 from gateway.http_state import MAX_LOOKUP_KEYS, ServiceState, state_of
 from gateway.objects import ObjectData, to_object_data
 from gateway.store import Store
-from gateway.tiers import offload
+from gateway.tiers import INLINE_CODECS, offload
 from gateway.types import Buffer
 
 OCTETS = "application/octet-stream"

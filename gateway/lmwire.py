@@ -109,12 +109,8 @@ class Request:
 
     @property
     def is_tombstone(self) -> bool:
-        return (
-            self.command == Command.PUT
-            and self.length == 0
-            and self.fmt == Format.UNDEFINED
-            and self.dtype == 0
-            and self.shape == TOMBSTONE_SHAPE
+        return self.command == Command.PUT and _tombstone(
+            self.length, self.fmt, self.dtype, self.shape
         )
 
 
@@ -129,12 +125,12 @@ class Reply:
 
     @property
     def is_tombstone(self) -> bool:
-        return (
-            self.length == 0
-            and self.fmt == Format.UNDEFINED
-            and self.dtype == 0
-            and self.shape == TOMBSTONE_SHAPE
-        )
+        return _tombstone(self.length, self.fmt, self.dtype, self.shape)
+
+
+def _tombstone(length: int, fmt: int, dtype: int, shape: Shape4) -> bool:
+    """The header fields of a tombstone (an empty PUT that marks a delete; no DELETE exists)."""
+    return length == 0 and fmt == Format.UNDEFINED and dtype == 0 and shape == TOMBSTONE_SHAPE
 
 
 # What the stock server answers for a miss, a failed EXIST and a HEALTH check.

@@ -17,13 +17,15 @@ import numpy as np
 import xxhash
 
 from gateway.errors import Unsupported
-from gateway.types import Buffer, MemoryFormat, ObjectKind
+from gateway.types import BYTE_KINDS, Buffer, MemoryFormat, ObjectKind
 
 if TYPE_CHECKING:
     import torch
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HASH_STEP = 256 << 10  # fits the L2 cache with room
+COPIED_KINDS = ("bytes", "bytearray")
+"""Kinds that own their bytes: ``to_object`` copies them out of the buffer it is given."""
 
 # Canonical dtype names (torch's, without the "torch." prefix) and their sizes in bytes.
 ITEMSIZE: dict[str, int] = {
@@ -222,7 +224,7 @@ def check_meta(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> No
         raise ValueError(f"unknown dtype {dtype!r}")
     if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
         raise ValueError(f"bad shape {shape}")
-    if kind in ("bytes", "bytearray", "memoryview"):
+    if kind in BYTE_KINDS:
         if dtype != "uint8" or len(shape) != 1:
             raise ValueError(f"{kind} objects are 1-D uint8, not {dtype} {shape}")
     elif kind == "ndarray":

@@ -32,7 +32,7 @@ from gateway.jobs import Hold, TierWriter, WriteJob
 from gateway.keys import Key, normalize_key
 from gateway.layers import build_stack
 from gateway.memory import BufferPool, Slab
-from gateway.objects import ObjectData, ObjectMeta, to_object, to_object_data
+from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
 from gateway.registry import connect, load_codec, scheme_of
 from gateway.tiers import ConnectorTier, Found, MemoryTier, offload
@@ -356,7 +356,7 @@ class Store:
             entry = self.l1.lookup(k)
             if entry is not None:
                 meta = entry.meta
-                if meta.kind in ("bytes", "bytearray"):  # a copy: no lease to keep
+                if meta.kind in COPIED_KINDS:  # a copy: no lease to keep
                     view = entry.slab.view(entry.offset, meta.nbytes)
                     return await offload(meta.nbytes, to_object, meta, view), meta
                 return to_object(meta, entry.slab.lease(entry.offset, meta.nbytes)), meta

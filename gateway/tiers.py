@@ -28,10 +28,10 @@ from gateway.errors import CapacityError, CorruptObject, GatewayError
 from gateway.frame import FrameHeader, decode_frame
 from gateway.frame_check import StreamingChecksum
 from gateway.memory import BufferPool, Slab
-from gateway.objects import ObjectData, ObjectMeta, check_meta, to_object
+from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, check_meta, to_object
 from gateway.policies import EvictionPolicy
 from gateway.registry import load_codec
-from gateway.types import Buffer, TierStats
+from gateway.types import OBJECT_KINDS, Buffer, TierStats
 
 log = logging.getLogger("kvgate.tiers")
 
@@ -59,7 +59,7 @@ os.register_at_fork(after_in_child=_new_threads_after_fork)
 
 # Codecs other than these may compile kernels on first use (numba takes seconds): their work
 # always runs in a thread, whatever the object's size, so the event loop never waits for it.
-_INLINE_CODECS = frozenset({"raw", "zstd", "lz4"})
+INLINE_CODECS = frozenset({"raw", "zstd", "lz4"})
 
 
 async def offload(nbytes: int, fn: Callable[..., T], *args: Any, device: bool = False) -> T:
@@ -112,7 +112,7 @@ class Found:
 
     def copies(self) -> bool:
         """Whether ``to_object`` copies the bytes (else it is a zero-copy view: cheap)."""
-        if self.meta.kind in ("bytes", "bytearray"):
+        if self.meta.kind in COPIED_KINDS:
             return True
         # torch cannot wrap read-only memory: to_object copies it first
         return (
@@ -126,7 +126,7 @@ class Found:
         if self.slab is None:
             assert self.buffer is not None
             return to_object(self.meta, self.buffer)
-        if self.meta.kind in ("bytes", "bytearray"):  # copied out: no lease needed
+        if self.meta.kind in COPIED_KINDS:  # copied out: no lease needed
             return to_object(self.meta, self.slab.view(self.offset, self.meta.nbytes))
         return to_object(self.meta, self.slab.lease(self.offset, self.meta.nbytes))
 
@@ -248,7 +248,7 @@ class ConnectorTier:
             params: dict[str, Any] = {}
             checksum = obj.checksum  # the payload is the object's bytes
         else:
-            slow = self.codec.name not in _INLINE_CODECS or not obj.on_host
+            slow = self.codec.name not in INLINE_CODECS or not obj.on_host
             payload, params = await offload(meta.nbytes, self.codec.encode, obj, device=slow)
         parts = as_parts(payload)
         size = sum(p.nbytes for p in parts)
@@ -318,7 +318,7 @@ class ConnectorTier:
             out_slab = alloc(header.raw_len)
             out = out_slab.view() if out_slab is not None else None
             try:
-                slow = codec.name not in _INLINE_CODECS
+                slow = codec.name not in INLINE_CODECS
                 raw = await offload(header.raw_len, codec.decode, payload, header, out, device=slow)
             except BaseException:
                 if out_slab is not None:
@@ -424,6 +424,6 @@ def _meta_of(header: FrameHeader) -> ObjectMeta:
         check_meta(header.kind, header.dtype, tuple(header.shape), header.raw_len)
     except (ValueError, GatewayError) as exc:
         raise CorruptObject(f"frame header does not describe its object: {exc}") from None
-    if header.kind not in ("tensor", "ndarray", "bytes", "bytearray", "memoryview"):
+    if header.kind not in OBJECT_KINDS:
         raise CorruptObject(f"unknown object kind {header.kind!r}")
     return ObjectMeta(header.kind, header.dtype, tuple(header.shape), header.raw_len, header.fmt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, get_args
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 """Anything a connector accepts or returns as object bytes."""
@@ -19,6 +19,9 @@ ParamValue: TypeAlias = ParamScalar | list[int | float | str | bool]
 
 ObjectKind = Literal["tensor", "ndarray", "bytes", "bytearray", "memoryview"]
 """What kind of Python object a user stored; ``get`` returns the same kind."""
+OBJECT_KINDS: tuple[ObjectKind, ...] = get_args(ObjectKind)
+BYTE_KINDS: tuple[ObjectKind, ...] = ("bytes", "bytearray", "memoryview")
+"""The kinds that are plain bytes: 1-D uint8, all "bytes" over HTTP."""
 
 
 @dataclass(frozen=True, slots=True)

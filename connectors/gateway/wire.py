@@ -25,10 +25,10 @@ from gateway.errors import CorruptObject, GatewayError
 from gateway.frame import MAGIC, MAX_HEADER_LEN, PREFIX_LEN, decode_frame, parse_header
 from gateway.keys import MAX_KEY_BYTES, normalize_key
 from gateway.registry import load_codec
+from gateway.types import BYTE_KINDS
 
 ESCAPED = "~kvgate-escaped~"
 OPAQUE = b"\x00kvgate-opaque\x00\x01"
-BYTES_KINDS = ("bytes", "bytearray", "memoryview")
 FRAME_TYPE = "application/vnd.kvgate.frame"
 BYTES_TYPE = "application/octet-stream"
 
@@ -92,7 +92,7 @@ def unwrap(blob: bytes) -> memoryview:
     except CorruptObject:
         return view  # the reader verifies and counts it
     # The server may answer with any bytes-like kind (it keeps plain bodies as memoryviews).
-    if header.kind not in BYTES_KINDS or header.raw_len < len(OPAQUE):
+    if header.kind not in BYTE_KINDS or header.raw_len < len(OPAQUE):
         return view
     if header.codec == "raw":
         if view[offset : offset + len(OPAQUE)] != OPAQUE:

@@ -25,6 +25,7 @@ import asyncio
 import functools
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -69,6 +70,9 @@ class BenchResult:
     put_p50_ms: float = 0.0
     put_p99_ms: float = 0.0
     get_hits: int = 0
+    put_runs: list[float] = field(default_factory=list)  # GB/s of each run (--repeat)
+    get_runs: list[float] = field(default_factory=list)
+    get_copy_runs: list[float] = field(default_factory=list)
     baseline_put_runs: list[float] = field(default_factory=list)
     baseline_get_runs: list[float] = field(default_factory=list)
     errors: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -185,6 +189,7 @@ def disk_baseline(
     def write(i: int) -> None:
         write_fsynced(paths[i], sources[i % slots].data)
 
+    warm_free_memory(size * count)
     start = time.perf_counter()
     with ThreadPoolExecutor(max(1, writers)) as pool:
         list(pool.map(write, range(count)))
@@ -217,6 +222,26 @@ def write_fsynced(path: Path, data: memoryview) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+WARM_MEMORY_CAP = 2 << 30
+
+
+def warm_free_memory(nbytes: int) -> None:
+    """Touch and free ``nbytes`` (at most WARM_MEMORY_CAP) of memory, right before a timed
+    write phase, so that the page cache that phase fills takes pages the guest has just used.
+
+    Why: in a VM with free page reporting (this machine's), memory left free for a second or
+    two goes back to the host, and the next write into the page cache pays to fault it in
+    again: buffered writes of 1 GiB ran at a median 0.92 GB/s after 2.5 s idle, 1.87 with
+    1.2 GiB touched and freed first, and 1.98 with O_DIRECT, which takes no page cache
+    (``benchmarks/disk_effects.py --only warm_memory --rounds 6``). Which phase found such
+    pages was chance (the baseline right after the store had freed its memory did), so both
+    sides' write phases now start from the same state.
+    """
+    n = min(nbytes, WARM_MEMORY_CAP)
+    if n > 0:
+        np.ones(n, dtype=np.uint8)  # ones(): every page faulted in; freed on return
 
 
 def _settle_disk() -> None:
@@ -317,6 +342,7 @@ async def run_bench(
         await _warm_up(store, f"bench/{run_id}/warm-up", objs[0])
         if root is not None:
             await asyncio.to_thread(_settle_disk)
+            await asyncio.to_thread(warm_free_memory, size * count)  # as the baseline does
 
         async def put(i: int) -> None:
             await store.put(keys[i], objs[i % len(objs)])
@@ -359,6 +385,10 @@ async def run_bench(
     result.put_p50_ms, result.put_p99_ms = _pct(put_lat, 0.5), _pct(put_lat, 0.99)
     result.get_hits = hits
 
+    result.put_runs = [result.put_gbps]
+    result.get_runs = [result.get_gbps]
+    result.get_copy_runs = [result.get_copy_gbps]
+
     # The baseline runs before and after the store (above and below) and their mean counts:
     # bracketing cancels a drift in disk speed. (The better of the two, used before, biased
     # ratios low on a disk that flips between two speeds: a max of two samples against one.)
@@ -368,13 +398,68 @@ async def run_bench(
     result.baseline_get_runs = [before[1], after[1]]
     result.baseline_put_gbps = (before[0] + after[0]) / 2
     result.baseline_get_gbps = (before[1] + after[1]) / 2
+    _set_ratios(result)
+    return result
+
+
+def _set_ratios(result: BenchResult) -> None:
     if result.baseline_put_gbps:
         result.put_ratio = result.put_gbps / result.baseline_put_gbps
     if result.baseline_get_gbps:
         # A zero-copy get moves no bytes: its "ratio" to a copy would mean nothing.
-        result.get_ratio = 0.0 if served_by_l1 else result.get_gbps / result.baseline_get_gbps
+        zero_copy = result.get_zero_copy
+        result.get_ratio = 0.0 if zero_copy else result.get_gbps / result.baseline_get_gbps
         result.get_copy_ratio = result.get_copy_gbps / result.baseline_get_gbps
-    return result
+
+
+def combine_runs(runs: Sequence[BenchResult]) -> BenchResult:
+    """One result for ``--repeat`` runs: every rate, ops/s and latency is the median of the
+    runs' figures (a baseline's, of all its before and after runs) and every ratio is the
+    quotient of two such medians.
+
+    Why medians of each side and not the median of the runs' ratios: on this kind of machine
+    one phase's speed is bimodal. Buffered writes of 1 GiB ran at either ~1 or ~2 GB/s from one
+    phase to the next (the guest's page cache takes pages the host has reclaimed through free
+    page reporting, and faulting them back costs as much as the disk; see warm_free_memory).
+    A single run's ratio is then a ratio of
+    two coin flips, 0.5, 1 or 2 whatever kvgate does; the median of each side over several runs
+    is that side's typical speed. Every run's figures are kept (``put_runs``,
+    ``baseline_put_runs``, ...), so a reader can see the spread.
+    """
+    if not runs:
+        raise ValueError("combine_runs needs at least one run")
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    out = BenchResult(
+        first.tiers,
+        first.size,
+        first.count,
+        first.concurrency,
+        first.baseline,
+        cold=first.cold,
+        get_zero_copy=first.get_zero_copy,
+    )
+    out.put_runs = [g for r in runs for g in r.put_runs]
+    out.get_runs = [g for r in runs for g in r.get_runs]
+    out.get_copy_runs = [g for r in runs for g in r.get_copy_runs]
+    out.baseline_put_runs = [g for r in runs for g in r.baseline_put_runs]
+    out.baseline_get_runs = [g for r in runs for g in r.baseline_get_runs]
+    out.put_gbps = statistics.median(out.put_runs)
+    out.get_gbps = statistics.median(out.get_runs)
+    out.get_copy_gbps = statistics.median(out.get_copy_runs)
+    out.baseline_put_gbps = statistics.median(out.baseline_put_runs)
+    out.baseline_get_gbps = statistics.median(out.baseline_get_runs)
+    for name in ("put_ops_per_s", "get_ops_per_s", "p50_ms", "p99_ms", "put_p50_ms", "put_p99_ms"):
+        setattr(out, name, statistics.median(getattr(r, name) for r in runs))
+    out.get_hits = min(r.get_hits for r in runs)  # a run with misses must show
+    for r in runs:
+        for tier, kinds in r.errors.items():
+            counts = out.errors.setdefault(tier, {})
+            for kind, n in kinds.items():
+                counts[kind] = counts.get(kind, 0) + n
+    _set_ratios(out)
+    return out
 
 
 async def _warm_up(store: Store, key: str, obj: object) -> None:

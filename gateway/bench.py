@@ -421,10 +421,9 @@ def combine_runs(runs: Sequence[BenchResult]) -> BenchResult:
     one phase's speed is bimodal. Buffered writes of 1 GiB ran at either ~1 or ~2 GB/s from one
     phase to the next (the guest's page cache takes pages the host has reclaimed through free
     page reporting, and faulting them back costs as much as the disk; see warm_free_memory).
-    A single run's ratio is then a ratio of
-    two coin flips, 0.5, 1 or 2 whatever kvgate does; the median of each side over several runs
-    is that side's typical speed. Every run's figures are kept (``put_runs``,
-    ``baseline_put_runs``, ...), so a reader can see the spread.
+    A single run's ratio is then a ratio of two coin flips, 0.5, 1 or 2 whatever kvgate does;
+    the median of each side over several runs is that side's typical speed. Every run's
+    figures are kept (``put_runs``, ``baseline_put_runs``, ...), so a reader can see the spread.
     """
     if not runs:
         raise ValueError("combine_runs needs at least one run")
@@ -440,16 +439,10 @@ def combine_runs(runs: Sequence[BenchResult]) -> BenchResult:
         cold=first.cold,
         get_zero_copy=first.get_zero_copy,
     )
-    out.put_runs = [g for r in runs for g in r.put_runs]
-    out.get_runs = [g for r in runs for g in r.get_runs]
-    out.get_copy_runs = [g for r in runs for g in r.get_copy_runs]
-    out.baseline_put_runs = [g for r in runs for g in r.baseline_put_runs]
-    out.baseline_get_runs = [g for r in runs for g in r.baseline_get_runs]
-    out.put_gbps = statistics.median(out.put_runs)
-    out.get_gbps = statistics.median(out.get_runs)
-    out.get_copy_gbps = statistics.median(out.get_copy_runs)
-    out.baseline_put_gbps = statistics.median(out.baseline_put_runs)
-    out.baseline_get_gbps = statistics.median(out.baseline_get_runs)
+    for rate in ("put", "get", "get_copy", "baseline_put", "baseline_get"):
+        every = [g for r in runs for g in getattr(r, f"{rate}_runs")]
+        setattr(out, f"{rate}_runs", every)
+        setattr(out, f"{rate}_gbps", statistics.median(every))
     for name in ("put_ops_per_s", "get_ops_per_s", "p50_ms", "p99_ms", "put_p50_ms", "put_p99_ms"):
         setattr(out, name, statistics.median(getattr(r, name) for r in runs))
     out.get_hits = min(r.get_hits for r in runs)  # a run with misses must show

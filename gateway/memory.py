@@ -25,6 +25,11 @@ import numpy as np
 from gateway.objects import HAS_TORCH
 
 ALIGN = 256  # DMA-friendly and enough for every dtype's alignment
+# Slabs of at least PAGE_ALIGN_FROM bytes start on a page: O_DIRECT (the file tier's
+# ``direct_io``) can then write a staged object straight from its slab. The gap this leaves
+# before such a slab (under a page) stays free and merges back when its neighbours are freed.
+PAGE = 4096
+PAGE_ALIGN_FROM = 64 << 10
 
 
 def _cuda_available() -> bool:
@@ -116,22 +121,29 @@ class BufferPool:
         if nbytes == 0:
             return Slab(self, 0, 0, 0)
         size = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        align = PAGE if nbytes >= PAGE_ALIGN_FROM else ALIGN
         with self.lock:
             for start in self._starts:
                 free = self._sizes[start]
-                if free >= size:
+                at = (start + align - 1) // align * align
+                if at - start + size <= free:
                     break
             else:
                 return None
             i = bisect.bisect_left(self._starts, start)
             del self._starts[i]
             del self._sizes[start]
-            if free > size:
-                rest = start + size
+            if at > start:  # the gap before an aligned slab stays free
+                self._starts.insert(i, start)
+                self._sizes[start] = at - start
+                i += 1
+            end = start + free
+            if end > at + size:
+                rest = at + size
                 self._starts.insert(i, rest)
-                self._sizes[rest] = free - size
+                self._sizes[rest] = end - rest
             self.used += size
-        return Slab(self, start, size, nbytes)
+        return Slab(self, at, size, nbytes)
 
     def release(self, slab: Slab) -> None:
         with self.lock:

@@ -3,12 +3,19 @@
 Layout (little-endian)::
 
     offset 0   magic b"KVGD"
-           4   version u8 (1), 3 reserved bytes (0)
+           4   version u8 (1 or 2), flags u8 (0)
+           6   pad u16 (version 1: 0)
            8   key_len u32
           12   data_len u64
           20   check u32 = xxh32(bytes 0..20 + key bytes)
           24   key, UTF-8 (lone surrogates kept with "surrogatepass"), key_len bytes
+               pad zero bytes (version 2)
                data, data_len bytes
+
+Version 2 exists for ``direct_io`` puts: the pad puts the object's last part (its payload) on
+a DIO_ALIGN boundary of the file, so that O_DIRECT can write it straight from its page-aligned
+slab. Buffered puts still write version 1 (the bytes of version 1's reserved field are now
+flags and pad, and were always written as zeros).
 
 The key is inside the file so that the index can be rebuilt from headers alone and so that a
 file reached through a hash collision is recognised as another key's (a miss, not wrong data).
@@ -22,6 +29,7 @@ stop touching its buffers quickly.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 import threading
@@ -29,13 +37,15 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import xxhash
 
 from gateway.connector import FillHook
 
 MAGIC = b"KVGD"
 VERSION = 1
-_FIXED = struct.Struct("<4sB3sIQ")
+VERSION_PADDED = 2
+_FIXED = struct.Struct("<4sBBHIQ")
 _CHECK = struct.Struct("<I")
 HEADER_LEN = _FIXED.size + _CHECK.size  # 24
 SUFFIX = ".kvo"
@@ -44,8 +54,15 @@ MAX_KEY_LEN = 1 << 20
 # One syscall moves at most this much, so a stop request waits for one chunk at most.
 CHUNK = 16 << 20
 READ_STEP = 1 << 20  # parallel reads take steps of this size (see Steps)
+# O_DIRECT reads wait for the disk in every step: larger steps keep more of it busy. (For 32 MiB
+# objects, 8 MiB steps in two threads read as fast as cold buffered reads here, ~1.6 GB/s;
+# four threads, or 4, 16 or 32 MiB steps, were no faster.)
+DIRECT_READ_STEP = 8 << 20
 # Well under IOV_MAX (1024 on Linux).
 _MAX_IOV = 512
+# O_DIRECT needs file offsets, lengths and memory aligned to the device's logical block (512
+# here, 4096 on 4Kn disks); a page satisfies every device.
+DIO_ALIGN = 4096
 
 
 class BadRecord(Exception):
@@ -83,11 +100,19 @@ def _check(fixed: bytes, key_bytes: bytes) -> int:
     return int(h.intdigest())
 
 
-def pack_head(key: str, data_len: int) -> bytes:
-    """The header and the key: everything in the file before the data."""
+def pack_head(key: str, data_len: int, pad: int = 0) -> bytes:
+    """The header and the key: everything in the file before the data, but the ``pad`` zero
+    bytes (version 2 when there are any)."""
     key_bytes = encode_key(key)
-    fixed = _FIXED.pack(MAGIC, VERSION, b"\0\0\0", len(key_bytes), data_len)
+    version = VERSION if pad == 0 else VERSION_PADDED
+    fixed = _FIXED.pack(MAGIC, version, 0, pad, len(key_bytes), data_len)
     return fixed + _CHECK.pack(_check(fixed, key_bytes)) + key_bytes
+
+
+def pad_for(head_len: int, lead_len: int) -> int:
+    """Zero bytes after a ``head_len`` head that put ``lead_len`` further bytes of data just
+    before a DIO_ALIGN boundary (where the last part then starts)."""
+    return -(head_len + lead_len) % DIO_ALIGN
 
 
 def read_record(fd: int) -> Record:
@@ -95,11 +120,13 @@ def read_record(fd: int) -> Record:
     head = os.pread(fd, HEADER_LEN, 0)
     if len(head) < HEADER_LEN:
         raise BadRecord(f"short header ({len(head)} bytes)")
-    magic, version, _reserved, key_len, data_len = _FIXED.unpack_from(head)
+    magic, version, flags, pad, key_len, data_len = _FIXED.unpack_from(head)
     if magic != MAGIC:
         raise BadRecord(f"bad magic {magic!r}")
-    if version != VERSION:
-        raise BadRecord(f"unknown record version {version}")
+    if version not in (VERSION, VERSION_PADDED) or flags != 0:
+        raise BadRecord(f"unknown record version {version} (flags {flags})")
+    if (pad != 0) != (version == VERSION_PADDED):
+        raise BadRecord(f"version {version} record with {pad} bytes of padding")
     if key_len > MAX_KEY_LEN:
         raise BadRecord(f"key length {key_len} is implausible")
     key_bytes = os.pread(fd, key_len, HEADER_LEN)
@@ -108,16 +135,15 @@ def read_record(fd: int) -> Record:
         or _check(head[: _FIXED.size], key_bytes) != _CHECK.unpack_from(head, _FIXED.size)[0]
     ):
         raise BadRecord("header checksum mismatch")
+    data_offset = HEADER_LEN + key_len + pad
     st = os.fstat(fd)
-    if st.st_size != HEADER_LEN + key_len + data_len:
-        raise BadRecord(
-            f"file has {st.st_size} bytes, its header says {HEADER_LEN + key_len + data_len}"
-        )
+    if st.st_size != data_offset + data_len:
+        raise BadRecord(f"file has {st.st_size} bytes, its header says {data_offset + data_len}")
     try:
         key = key_bytes.decode("utf-8", "surrogatepass")
     except UnicodeDecodeError as exc:
         raise BadRecord("key is not UTF-8") from exc
-    return Record(key, HEADER_LEN + key_len, data_len, st.st_mtime_ns)
+    return Record(key, data_offset, data_len, st.st_mtime_ns)
 
 
 def open_record(path: str, key: str) -> tuple[int, Record]:
@@ -175,12 +201,18 @@ def read_steps(
     steps: Steps,
     stop: threading.Event,
     filled: FillHook | None = None,
+    direct: bool = False,
 ) -> None:
     """Read the steps this thread takes from ``steps`` into ``buf`` (from ``fd`` at
-    ``offset``), reporting each one done to ``filled`` (see ``gateway.connector.Allocator``)."""
+    ``offset``), reporting each one done to ``filled`` (see ``gateway.connector.Allocator``).
+    ``direct``: ``fd`` is in O_DIRECT mode; reads go through this thread's DirectReader."""
+    reader = _direct_reader() if direct else None
     while (step := steps.take()) is not None:
         start, end = step
-        read_exact(fd, buf[start:end], offset + start, stop)
+        if reader is None:
+            read_exact(fd, buf[start:end], offset + start, stop)
+        else:
+            reader.read_into(fd, buf[start:end], offset + start, stop)
         if filled is not None:
             filled(start, end)
 
@@ -215,3 +247,90 @@ def write_all(fd: int, parts: Sequence[memoryview], stop: threading.Event) -> No
                 rest.append(part[written:])
                 written = 0
             pending.extendleft(reversed(rest))
+
+
+def is_aligned(view: memoryview) -> bool:
+    """Whether O_DIRECT can take ``view`` as it is: contiguous, at a DIO_ALIGN-aligned address."""
+    if view.nbytes == 0 or not view.c_contiguous:
+        return False
+    address = np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data
+    return int(address) % DIO_ALIGN == 0
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int, stop: threading.Event) -> None:
+    pos = 0
+    while pos < view.nbytes:
+        if stop.is_set():
+            raise Stopped
+        pos += os.pwrite(fd, view[pos : pos + CHUNK], offset + pos)
+
+
+def write_direct(
+    fd: int, lead: Sequence[memoryview], body: memoryview, stop: threading.Event
+) -> None:
+    """Write ``lead`` then ``body`` to ``fd``, opened with O_DIRECT, and cut the file to their
+    exact length.
+
+    ``lead`` (the head, its pad and any data parts before the last) is a DIO_ALIGN multiple
+    long, and ``body`` starts at an aligned address: body's whole blocks go to the disk straight
+    from its memory. The lead and body's last partial block go through a small page-aligned
+    bounce buffer, zero-padded to a block; the truncate drops that padding.
+    """
+    lead_len = sum(p.nbytes for p in lead)
+    if lead_len % DIO_ALIGN or not is_aligned(body):
+        raise ValueError("write_direct needs an aligned lead length and body address")
+    full = body.nbytes - body.nbytes % DIO_ALIGN
+    tail = body.nbytes - full
+    with mmap.mmap(-1, lead_len + DIO_ALIGN) as bounce_map:
+        bounce = memoryview(bounce_map)  # anonymous mmap: page-aligned and zero-filled
+        try:
+            pos = 0
+            for part in lead:
+                bounce[pos : pos + part.nbytes] = part
+                pos += part.nbytes
+            _pwrite_all(fd, bounce[:lead_len], 0, stop)
+            _pwrite_all(fd, body[:full], lead_len, stop)
+            if tail:
+                bounce[:tail] = body[full:]
+                bounce[tail:DIO_ALIGN] = bytes(DIO_ALIGN - tail)
+                _pwrite_all(fd, bounce[:DIO_ALIGN], lead_len + full, stop)
+        finally:
+            bounce.release()
+    os.ftruncate(fd, lead_len + body.nbytes)
+
+
+class DirectReader:
+    """Reads byte ranges of a file opened with O_DIRECT, through a page-aligned buffer of its
+    own: the range is widened to whole blocks, read, and the asked-for bytes copied out. One
+    per reading thread."""
+
+    def __init__(self, step: int) -> None:
+        self._map = mmap.mmap(-1, step + 2 * DIO_ALIGN)
+        self._bounce = memoryview(self._map)
+
+    def read_into(self, fd: int, buf: memoryview, offset: int, stop: threading.Event) -> None:
+        """Fill ``buf`` (at most ``step`` bytes) from ``fd`` at ``offset``."""
+        if stop.is_set():
+            raise Stopped
+        first = offset - offset % DIO_ALIGN
+        end = offset + buf.nbytes
+        last = end + (-end % DIO_ALIGN)
+        window = self._bounce[: last - first]
+        got = 0
+        while got < end - first:  # a short read happens only at the end of the file
+            n = os.preadv(fd, [window[got:]], first + got)
+            if n == 0:
+                raise BadRecord(f"file ended {end - first - got} bytes early")
+            got += n
+        buf[:] = window[offset - first : end - first]
+
+
+_THREAD_STATE = threading.local()
+
+
+def _direct_reader() -> DirectReader:
+    """This thread's DirectReader (a DIRECT_READ_STEP buffer kept for the thread's lifetime)."""
+    reader: DirectReader | None = getattr(_THREAD_STATE, "direct_reader", None)
+    if reader is None:
+        reader = _THREAD_STATE.direct_reader = DirectReader(DIRECT_READ_STEP)
+    return reader

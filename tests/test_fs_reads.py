@@ -1,5 +1,6 @@
 """file:// reads of large objects: two threads taking interleaved steps, a file replaced
-behind the index, a file cut short while it is read, and a cancelled read."""
+behind the index, a file cut short while it is read, and a cancelled read; each through the
+page cache and with ``direct_io`` (O_DIRECT through a bounce buffer)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from connectors._fsrecord import pack_head
+from connectors._fsrecord import DIRECT_READ_STEP, pack_head
 from connectors.fs import PARALLEL_READ_BYTES, FileConnector
 
 MiB = 1 << 20
@@ -21,6 +22,11 @@ BIG = PARALLEL_READ_BYTES + 3 * MiB + 123  # two reading threads, a short last s
 
 def payload(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(params=[False, True], ids=["buffered", "direct_io"])
+def direct(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
 
 
 class Recorder:
@@ -39,8 +45,8 @@ class Recorder:
         self.ranges.append((start, stop))  # list.append is atomic: called from two threads
 
 
-async def test_large_read_reports_every_byte_once(tmp_path: Path) -> None:
-    conn = FileConnector(tmp_path)
+async def test_large_read_reports_every_byte_once(tmp_path: Path, direct: bool) -> None:
+    conn = FileConnector(tmp_path, direct_io=direct)
     data = payload(BIG, 1)
     await conn.put("k", data)
     alloc = Recorder()
@@ -54,9 +60,11 @@ async def test_large_read_reports_every_byte_once(tmp_path: Path) -> None:
     await conn.close()
 
 
-async def test_a_file_replaced_with_another_size_is_read_at_its_size(tmp_path: Path) -> None:
+async def test_a_file_replaced_with_another_size_is_read_at_its_size(
+    tmp_path: Path, direct: bool
+) -> None:
     """What a put racing a get looks like: the index says one size, the file has another."""
-    conn = FileConnector(tmp_path)
+    conn = FileConnector(tmp_path, direct_io=direct)
     small = payload(1000, 2)
     await conn.put("k", small)
     saved = tmp_path / "saved"
@@ -85,13 +93,18 @@ class CutsTheFile(Recorder):
         super().filled(start, stop)
 
 
-@pytest.mark.parametrize("keep", [MiB + 1, BIG // 2, BIG - 1])
-async def test_a_record_cut_short_mid_read_is_a_miss(tmp_path: Path, keep: int) -> None:
-    conn = FileConnector(tmp_path)
-    await conn.put("k", payload(BIG, 4))
+@pytest.mark.parametrize("keep", ["1MiB+1", "half", "all but 1"])
+async def test_a_record_cut_short_mid_read_is_a_miss(
+    tmp_path: Path, keep: str, direct: bool
+) -> None:
+    # Enough steps that some are taken after the first one is in (direct steps are larger).
+    size = 3 * DIRECT_READ_STEP + 123 if direct else BIG
+    kept = {"1MiB+1": MiB + 1, "half": size // 2, "all but 1": size - 1}[keep]
+    conn = FileConnector(tmp_path, direct_io=direct)
+    await conn.put("k", payload(size, 4))
     path = conn.path_for("k")
-    header = len(pack_head("k", BIG))  # the record's bytes before the data
-    assert await conn.get_into("k", CutsTheFile(path, header + keep)) is None
+    header = len(pack_head("k", size))  # the record's bytes before the data
+    assert await conn.get_into("k", CutsTheFile(path, header + kept)) is None
     assert not await conn.exists("k")
     assert conn.corrupt_files == 1  # the short file went to quarantine
     await conn.put("k", b"fresh")
@@ -99,8 +112,10 @@ async def test_a_record_cut_short_mid_read_is_a_miss(tmp_path: Path, keep: int) 
     await conn.close()
 
 
-async def test_a_cancelled_large_read_leaves_the_connector_usable(tmp_path: Path) -> None:
-    conn = FileConnector(tmp_path)
+async def test_a_cancelled_large_read_leaves_the_connector_usable(
+    tmp_path: Path, direct: bool
+) -> None:
+    conn = FileConnector(tmp_path, direct_io=direct)
     data = payload(BIG, 5)
     await conn.put("k", data)
     for delay in (0, 0.0005, 0.002):

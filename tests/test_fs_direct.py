@@ -1,0 +1,241 @@
+"""file:// with ``direct_io``: which puts bypass the page cache, the padded record (version
+2) they write, its rules, reading it back either way, and a filesystem that refuses O_DIRECT.
+
+Page-cache residency is read with util-linux's ``fincore`` (the test skips without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import mmap
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from connectors import _fsrecord as rec
+from connectors.fs import DIRECT_IO_BYTES, FileConnector
+from gateway import Store
+from gateway.testing import assert_same_bytes, make_bytes
+
+MiB = 1 << 20
+FEW_PAGES = 64 << 10  # the header's pages and the kernel's readahead around them
+LEAD = b"frame head stand-in" * 5  # a data part before the payload, as a frame head is
+
+
+def aligned(data: bytes) -> memoryview:
+    """``data`` copied into page-aligned memory, as a slab of the store's pool holds it."""
+    memory = mmap.mmap(-1, max(1, len(data)))
+    memory[: len(data)] = data
+    view = memoryview(memory)[: len(data)]
+    assert rec.is_aligned(view) or not data
+    return view
+
+
+def resident_bytes(path: str) -> int:
+    """Bytes of ``path`` in the page cache."""
+    if shutil.which("fincore") is None:
+        pytest.skip("no fincore (util-linux) to read page-cache residency")
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", path],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.strip())
+
+
+def file_size(path: str) -> int:
+    return os.stat(path).st_size
+
+
+def flip_byte(path: str, from_end: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-from_end, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-from_end, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def record_fields(path: str) -> tuple[int, int, int]:
+    """(version, pad, data offset) of the record at ``path``."""
+    with open(path, "rb") as f:
+        head = f.read(rec.HEADER_LEN)
+    _magic, version, _flags, pad, key_len, _data_len = struct.unpack_from("<4sBBHIQ", head)
+    return version, pad, rec.HEADER_LEN + key_len + pad
+
+
+@pytest.mark.parametrize("size", [DIRECT_IO_BYTES, DIRECT_IO_BYTES + 1, 9 * MiB + 123])
+async def test_an_aligned_payload_is_written_past_the_page_cache(tmp_path: Path, size: int) -> None:
+    body = make_bytes(size, seed=size)
+    conn = FileConnector(tmp_path, direct_io=True)
+    await conn.put("k", [LEAD, aligned(body)])
+    path = conn.path_for("k")
+    # Nothing of the payload went through the page cache (a buffered put leaves it all there):
+    # at most the pages around the header, which the get below reads buffered.
+    assert resident_bytes(path) <= FEW_PAGES
+    assert_same_bytes(await conn.get("k"), LEAD + body)
+    assert resident_bytes(path) <= FEW_PAGES  # read back with O_DIRECT too
+    version, pad, data_offset = record_fields(path)
+    assert (data_offset + len(LEAD)) % rec.DIO_ALIGN == 0  # the payload starts on a block
+    assert (version, pad > 0) == (rec.VERSION_PADDED, True)
+    assert file_size(path) == data_offset + len(LEAD) + size  # no block padding left
+    await conn.close()
+    # A buffered connector reads the padded record, and a restart finds it.
+    again = FileConnector(tmp_path)
+    assert await again.exists("k")
+    assert again.usage() == (len(LEAD) + size, None)
+    assert_same_bytes(await again.get("k"), LEAD + body)
+    await again.close()
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        pytest.param(lambda: [make_bytes(4 * MiB)], id="unaligned payload"),
+        pytest.param(lambda: [LEAD, aligned(make_bytes(DIRECT_IO_BYTES - 1))], id="small"),
+        pytest.param(lambda: [aligned(make_bytes(4 * MiB)), LEAD], id="aligned part not last"),
+    ],
+)
+async def test_other_puts_go_through_the_page_cache(tmp_path: Path, parts: Any) -> None:
+    data = parts()
+    conn = FileConnector(tmp_path, direct_io=True)
+    await conn.put("k", data)
+    version, pad, _ = record_fields(conn.path_for("k"))
+    assert (version, pad) == (rec.VERSION, 0)
+    assert_same_bytes(await conn.get("k"), b"".join(bytes(p) for p in data))
+    await conn.close()
+
+
+async def test_buffered_records_are_read_with_o_direct(tmp_path: Path) -> None:
+    data = make_bytes(12 * MiB + 5)
+    conn = FileConnector(tmp_path)
+    await conn.put("k", data)
+    await conn.close()
+    os.sync()
+    fd = os.open(conn.path_for("k"), os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    direct = FileConnector(tmp_path, direct_io=True)
+    assert_same_bytes(await direct.get("k"), data)
+    assert resident_bytes(direct.path_for("k")) <= FEW_PAGES
+    await direct.close()
+
+
+def _fixed(version: int, flags: int, pad: int, key: bytes, data_len: int) -> bytes:
+    """A record head with any field values and a correct checksum."""
+    fixed = struct.pack("<4sBBHIQ", rec.MAGIC, version, flags, pad, len(key), data_len)
+    check = rec._check(fixed, key)
+    return fixed + struct.pack("<I", check) + key
+
+
+@pytest.mark.parametrize(
+    ("version", "flags", "pad", "why"),
+    [
+        (rec.VERSION, 0, 8, "padding"),
+        (rec.VERSION_PADDED, 0, 0, "padding"),
+        (rec.VERSION, 1, 0, "flags"),
+        (3, 0, 0, "version 3"),
+    ],
+)
+def test_record_heads_that_break_the_padding_rules_are_bad(
+    tmp_path: Path, version: int, flags: int, pad: int, why: str
+) -> None:
+    path = tmp_path / "r.kvo"
+    path.write_bytes(_fixed(version, flags, pad, b"k", 3) + bytes(pad) + b"abc")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(rec.BadRecord, match=why):
+            rec.read_record(fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_padded_record_is_read_from_past_its_padding(tmp_path: Path) -> None:
+    path = tmp_path / "r.kvo"
+    path.write_bytes(_fixed(rec.VERSION_PADDED, 0, 7, b"k", 3) + bytes(7) + b"abc")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        record = rec.read_record(fd)
+    finally:
+        os.close(fd)
+    assert (record.key, record.data_offset, record.data_len) == ("k", rec.HEADER_LEN + 8, 3)
+
+
+async def test_store_round_trips_and_checks_direct_records(tmp_path: Path) -> None:
+    """Through a Store the payload is a page-aligned staging slab: every large put goes
+    direct; a flipped payload byte in such a record is a counted corrupt miss."""
+    cfg = {"tiers": [{"url": tmp_path.as_uri(), "options": {"direct_io": True}}]}
+    objs = {
+        "bf16": torch.randn(3, 1024, 513).to(torch.bfloat16),
+        "f32": torch.randn(2 * MiB // 4 + 3),
+        "u8": np.arange(5 * MiB, dtype=np.uint8),
+    }
+    async with Store(cfg) as store:
+        for key, obj in objs.items():
+            await store.put(key, obj)
+        await store.flush()
+        paths = {k: object_path(tmp_path, k) for k in objs}
+        for key, obj in objs.items():
+            assert record_fields(paths[key])[0] == rec.VERSION_PADDED
+            got = await store.get(key)
+            if isinstance(obj, torch.Tensor):
+                assert isinstance(got, torch.Tensor)
+                assert torch.equal(got, obj)
+            else:
+                assert isinstance(got, np.ndarray)
+                assert np.array_equal(got, obj)
+        flip_byte(paths["u8"], 1000)
+        assert await store.get("u8") is None
+        assert sum(s.corrupt for s in store.stats().values()) == 1
+
+
+def object_path(root: Path, key: str) -> str:
+    return str(root.joinpath("objects", *rec.object_name(key)))
+
+
+async def test_a_filesystem_that_refuses_o_direct_turns_it_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What tmpfs before Linux 6.6 and some network filesystems do: EINVAL at open."""
+    real_open = os.open
+
+    def refusing_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    conn = FileConnector(tmp_path, direct_io=True)
+    monkeypatch.setattr(os, "open", refusing_open)
+    body = make_bytes(2 * MiB)
+    with caplog.at_level(logging.WARNING, logger="connectors.fs"):
+        await conn.put("k", [LEAD, aligned(body)])
+    assert "refuses O_DIRECT" in caplog.text
+    assert conn.direct_io is False
+    assert_same_bytes(await conn.get("k"), LEAD + body)
+    monkeypatch.undo()
+    await conn.close()
+
+
+async def test_a_cancelled_direct_put_leaves_no_temp_file(tmp_path: Path) -> None:
+    conn = FileConnector(tmp_path, direct_io=True)
+    body = aligned(make_bytes(64 * MiB))
+    for i, delay in enumerate((0.0, 0.001, 0.005, 0.02)):
+        key = f"k{i}"
+        task = asyncio.create_task(conn.put(key, [LEAD, body]))
+        await asyncio.sleep(delay)
+        if task.cancel():
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert list((tmp_path / "tmp").iterdir()) == []
+        if await conn.exists(key):  # cancelled too late to stop: then it is whole
+            assert_same_bytes(await conn.get(key), LEAD + bytes(body))
+    await conn.close()

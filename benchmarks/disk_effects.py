@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.bench import warm_free_memory, write_fsynced
+from gateway.disk_baseline import warm_free_memory, write_fsynced
 from gateway.store import Store
 
 MiB = 1 << 20

@@ -28,7 +28,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from gateway.config import redact_url
+from gateway.disk_baseline import disk_baseline, drop_page_cache, settle_disk, warm_free_memory
 from gateway.errors import GatewayError
 from gateway.objects import HAS_TORCH
 from gateway.registry import connector_class, scheme_of
@@ -165,102 +166,6 @@ def memcpy_baseline(sources: np.ndarray[Any, Any], count: int, threads: int = 1)
     return size * count / (time.perf_counter() - start) / 1e9
 
 
-def disk_baseline(
-    directory: Path,
-    sources: np.ndarray[Any, Any],
-    count: int,
-    *,
-    writers: int,
-    readers: int,
-    cold: bool,
-) -> tuple[float, float]:
-    """Raw write+fsync of ``count`` files (rows of ``sources``, in turn), then reads of them
-    into preallocated buffers.
-
-    ``writers`` threads write (the tier's write workers, so both sides get the same I/O
-    parallelism) and ``readers`` threads read (the bench's concurrency). The read buffers
-    rotate over as many rows as ``sources`` has: the store reads into pool slabs spread over
-    its staging memory, not into one buffer that stays in the CPU cache.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    slots, size = (int(n) for n in sources.shape)
-    paths = [directory / f"baseline-{i}" for i in range(count)]
-
-    def write(i: int) -> None:
-        write_fsynced(paths[i], sources[i % slots].data)
-
-    warm_free_memory(size * count)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max(1, writers)) as pool:
-        list(pool.map(write, range(count)))
-    put = size * count / (time.perf_counter() - start) / 1e9
-    if cold:
-        drop_page_cache(paths)
-    bufs = np.ones((slots, size), dtype=np.uint8)  # ones(): every page touched up front
-
-    def read(i: int) -> None:
-        with open(paths[i], "rb", buffering=0) as f:
-            f.readinto(bufs[i % slots].data)
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max(1, readers)) as pool:
-        list(pool.map(read, range(count)))
-    get = size * count / (time.perf_counter() - start) / 1e9
-    for p in paths:
-        p.unlink()
-    _settle_disk()
-    return put, get
-
-
-def write_fsynced(path: Path, data: memoryview) -> None:
-    """The raw way to store bytes durably: write them all to a new file, then fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        view = data
-        while view.nbytes:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-WARM_MEMORY_CAP = 2 << 30
-
-
-def warm_free_memory(nbytes: int) -> None:
-    """Touch and free ``nbytes`` (at most WARM_MEMORY_CAP) of memory, right before a timed
-    write phase, so that the page cache that phase fills takes pages the guest has just used.
-
-    Why: in a VM with free page reporting (this machine's), memory left free for a second or
-    two goes back to the host, and the next write into the page cache pays to fault it in
-    again: buffered writes of 1 GiB ran at a median 0.92 GB/s after 2.5 s idle, 1.87 with
-    1.2 GiB touched and freed first, and 1.98 with O_DIRECT, which takes no page cache
-    (``benchmarks/disk_effects.py --only warm_memory --rounds 6``). Which phase found such
-    pages was chance (the baseline right after the store had freed its memory did), so both
-    sides' write phases now start from the same state.
-    """
-    n = min(nbytes, WARM_MEMORY_CAP)
-    if n > 0:
-        np.ones(n, dtype=np.uint8)  # ones(): every page faulted in; freed on return
-
-
-def _settle_disk() -> None:
-    """Flush what the previous phase left pending (dirty pages, the journal commits and
-    discards of its deletes on a disk mounted with ``discard``), so that every phase starts
-    from the same state instead of paying for the one before."""
-    os.sync()
-
-
-def drop_page_cache(paths: Iterable[Path]) -> None:
-    """Evict files' clean pages so that the next read comes from the disk."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _file_root(tiers: Sequence[str]) -> Path | None:
     for url in tiers:
         if scheme_of(url) == "file":
@@ -312,12 +217,21 @@ async def run_bench(
     else:
         put_base = get_base = baseline
     baseline = put_base if put_base == get_base else f"{put_base}/{get_base}"
+    # A file tier with direct_io bypasses the page cache; so does the disk baseline then.
+    direct = bool(
+        root is not None
+        and tiers
+        and scheme_of(tiers[-1]) == "file"
+        and (tier_options or {}).get("direct_io")
+    )
+    if direct:
+        baseline = baseline.replace("disk", "disk-direct")
     sources = bench_sources(size, count, concurrency)
     measure = _Baselines(
-        put_base, get_base, root, sources, count, writers, concurrency, cold, client
+        put_base, get_base, root, sources, count, writers, concurrency, cold, client, direct
     )
     if root is not None:
-        await asyncio.to_thread(_settle_disk)  # start from a clean disk, like every phase after
+        await asyncio.to_thread(settle_disk)  # start from a clean disk, like every phase after
     before = await measure()
     objs = [_as_kind(row, kind) for row in sources]
     run_id = os.urandom(4).hex()  # fresh keys per run: a repeat measures puts, not overwrites
@@ -341,7 +255,7 @@ async def run_bench(
         # directory), starting worker threads and first calls are not what a put costs.
         await _warm_up(store, f"bench/{run_id}/warm-up", objs[0])
         if root is not None:
-            await asyncio.to_thread(_settle_disk)
+            await asyncio.to_thread(settle_disk)
             await asyncio.to_thread(warm_free_memory, size * count)  # as the baseline does
 
         async def put(i: int) -> None:
@@ -373,7 +287,7 @@ async def run_bench(
         await asyncio.gather(*(store.delete(k) for k in keys))
         result.errors = {n: dict(s.errors) for n, s in store.stats().items() if s.errors}
     if root is not None:
-        await asyncio.to_thread(_settle_disk)
+        await asyncio.to_thread(settle_disk)
 
     total = size * count
     result.put_gbps = total / put_elapsed / 1e9
@@ -475,6 +389,7 @@ class _Baselines:
     readers: int
     cold: bool
     client: ClientBaseline | None
+    direct: bool = False
 
     @property
     def size(self) -> int:
@@ -513,6 +428,7 @@ class _Baselines:
                     writers=self.writers,
                     readers=self.readers,
                     cold=self.cold,
+                    direct=self.direct,
                 )
             finally:
                 shutil.rmtree(bdir, ignore_errors=True)

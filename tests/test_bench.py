@@ -75,3 +75,20 @@ def test_cli_repeat_reports_every_run(tmp_path: Path) -> None:
     )
     assert data["put_ratio"] == pytest.approx(data["put_gbps"] / data["baseline_put_gbps"])
     assert data["get_hits"] == 4
+
+
+@pytest.mark.parametrize("nbytes", ["1MiB", str((1 << 20) + 5)])
+def test_cli_direct_io_tier_has_an_o_direct_baseline(tmp_path: Path, nbytes: str) -> None:
+    """With direct_io the disk baseline bypasses the page cache too (baseline disk-direct),
+    also for a size that is not a block multiple; every object is read back."""
+    url = f"file://{tmp_path}/disk"
+    args = ["bench", "-t", url, "--size", nbytes, "-n", "4", "--repeat", "1", "--json"]
+    args += ["--tier-options", '{"direct_io": true}']
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["baseline"] == "disk-direct"
+    assert data["get_hits"] == 4
+    assert data["errors"] == {}
+    assert data["baseline_put_gbps"] > 0
+    assert data["baseline_get_gbps"] > 0

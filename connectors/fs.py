@@ -73,7 +73,14 @@ from pydantic import Field
 from connectors import _fsrecord as rec
 from connectors._keylocks import KeyLocks
 from connectors._options import StrictOptions, parse_options, split_url
-from gateway.connector import Allocator, BaseConnector, FillHook, as_parts, fill_hook
+from gateway.connector import (
+    Allocator,
+    BaseConnector,
+    FillHook,
+    as_parts,
+    fill_hook,
+    placement_hook,
+)
 from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
 from gateway.inflight import InFlight
 from gateway.policies import EvictionPolicy, make_policy
@@ -180,13 +187,13 @@ def _read_object(
         if direct:
             direct = _set_direct(fd)
         offset = record.data_offset
-        steps = rec.Steps(buf.nbytes, rec.DIRECT_READ_STEP if direct else rec.READ_STEP)
+        steps = rec.Steps.direct(buf, offset) if direct else rec.Steps.even(buf.nbytes)
         if buf.nbytes < PARALLEL_READ_BYTES:
-            rec.read_steps(fd, buf, offset, steps, stop, filled, direct)
+            rec.read_steps(fd, buf, offset, steps, stop, filled)
             return
-        helper = _READ_HELPERS.submit(_read_or_halt, fd, buf, offset, steps, stop, filled, direct)
+        helper = _READ_HELPERS.submit(_read_or_halt, fd, buf, offset, steps, stop, filled)
         try:
-            rec.read_steps(fd, buf, offset, steps, stop, filled, direct)
+            rec.read_steps(fd, buf, offset, steps, stop, filled)
         except BaseException as exc:
             stop.set()  # the helper stops at its next step
             failed = _finish(helper)
@@ -207,11 +214,10 @@ def _read_or_halt(
     steps: rec.Steps,
     stop: threading.Event,
     filled: FillHook | None,
-    direct: bool,
 ) -> None:
     """The helper's part: on failure, stop the other thread too instead of reading on."""
     try:
-        rec.read_steps(fd, buf, offset, steps, stop, filled, direct)
+        rec.read_steps(fd, buf, offset, steps, stop, filled)
     except BaseException:
         stop.set()
         raise
@@ -310,6 +316,10 @@ class FileConnector(BaseConnector):
         # garbage collected, so that a forgotten instance does not lock the root for good.
         self._unlock = weakref.finalize(self, os.close, lock_fd)
         self._index: dict[str, int] | None = None  # key -> object bytes; None until scanned
+        # key -> where in a page its data starts in the file: a direct read asks the allocator
+        # for a buffer at that phase, so the disk fills it in place (a hint only: a read that
+        # finds another phase goes through its bounce buffer)
+        self._phases: dict[str, int] = {}
         self._opening = asyncio.Lock()
         self._keys = KeyLocks()
         self._used = 0  # bytes of committed objects
@@ -367,6 +377,7 @@ class FileConnector(BaseConnector):
                 self._index = {}
                 for record in sorted(found, key=lambda r: (r.mtime_ns, r.key)):
                     self._index[record.key] = record.data_len
+                    self._phases[record.key] = record.data_offset % rec.DIO_ALIGN
                     self._used += record.data_len
                     if self._policy is not None:
                         self._policy.insert(record.key, record.data_len)
@@ -442,8 +453,9 @@ class FileConnector(BaseConnector):
             path = self.path_for(key)
             direct = self.direct_io and size >= DIRECT_IO_BYTES
             try:
+                place = placement_hook(alloc) if direct else None
                 for _ in range(2):
-                    given = alloc(size)
+                    given = place(size, self._phases.get(key, 0)) if place else alloc(size)
                     buf = memoryview(bytearray(size)) if given is None else given.cast("B")
                     if buf.nbytes != size:
                         raise ValueError(f"alloc({size}) gave {buf.nbytes} bytes")
@@ -489,6 +501,7 @@ class FileConnector(BaseConnector):
     def _forget(self, key: str) -> None:
         assert self._index is not None
         size = self._index.pop(key, None)
+        self._phases.pop(key, None)
         if size is not None:
             self._used -= size
             if self._policy is not None:
@@ -527,15 +540,16 @@ class FileConnector(BaseConnector):
         with self._op():
             index = await self._ready()
             path = self.path_for(key)
-            head, body = self._layout(key, size, parts)
+            head, body, data_offset = self._layout(key, size, parts)
+            phase = data_offset % rec.DIO_ALIGN
             async with self._keys.hold(key):
                 reservation = await self._make_room(size - index.get(key, 0))
                 try:
                     fsync_error = await _in_thread(
                         lambda stop: self._write(path, head, body, stop),
-                        lambda _: self._commit(key, size),
+                        lambda _: self._commit(key, size, phase),
                     )
-                    self._commit(key, size)
+                    self._commit(key, size, phase)
                 except OSError as exc:
                     if exc.errno in _DISK_FULL:
                         raise CapacityError(f"{self!r}: disk full writing {size} bytes") from exc
@@ -547,8 +561,9 @@ class FileConnector(BaseConnector):
 
     def _layout(
         self, key: str, size: int, parts: list[memoryview]
-    ) -> tuple[list[memoryview], memoryview | None]:
-        """(everything before the body, the body to write with O_DIRECT or None).
+    ) -> tuple[list[memoryview], memoryview | None, int]:
+        """(everything before the body, the body to write with O_DIRECT or None, where the
+        data starts in the file).
 
         With ``direct_io``, a large last part at a page-aligned address (a staged object's
         slab) becomes the body: the record is padded so that it starts on a block boundary.
@@ -560,8 +575,9 @@ class FileConnector(BaseConnector):
                 head_len = rec.HEADER_LEN + len(rec.encode_key(key))
                 pad = rec.pad_for(head_len, size - body.nbytes)
                 head = memoryview(rec.pack_head(key, size, pad))
-                return [head, memoryview(bytes(pad)), *parts[:-1]], body
-        return [memoryview(rec.pack_head(key, size)), *parts], None
+                return [head, memoryview(bytes(pad)), *parts[:-1]], body, head.nbytes + pad
+        head = memoryview(rec.pack_head(key, size))
+        return [head, *parts], None, head.nbytes
 
     def _write(
         self,
@@ -627,10 +643,11 @@ class FileConnector(BaseConnector):
             if self.fsync_dir:  # the new directory's own entry must survive a crash too
                 _fsync_dir(os.path.dirname(d))
 
-    def _commit(self, key: str, size: int) -> None:
+    def _commit(self, key: str, size: int, phase: int) -> None:
         assert self._index is not None
         self._used += size - self._index.get(key, 0)
         self._index[key] = size
+        self._phases[key] = phase
         if self._policy is not None:
             self._policy.insert(key, size)
 
@@ -653,6 +670,7 @@ class FileConnector(BaseConnector):
                     break
                 victims.append(victim)
                 self._used -= self._index.pop(victim, 0)
+                self._phases.pop(victim, None)
             fits = self._used + self._reserved + grow <= self.capacity
             reservation = max(grow, 0) if fits else 0
             self._reserved += reservation

@@ -40,10 +40,24 @@ never blocks on I/O.
 
 FillHook = Callable[[int, int], None]
 
+PlacedAllocator = Callable[[int, int], memoryview | None]
+"""An allocator may also have a ``placed(n, phase)`` method: like ``alloc(n)``, but the buffer's
+address is ``phase`` modulo PLACEMENT (a page). A connector that reads with O_DIRECT asks for
+the phase of the file offset it reads from, so the disk can fill the buffer itself. The
+``filled`` ranges then refer to that buffer."""
+
+PLACEMENT = 4096
+
 
 def fill_hook(alloc: Allocator) -> FillHook | None:
     """``alloc.filled`` if the allocator offers one (see ``Allocator``)."""
     hook = getattr(alloc, "filled", None)
+    return hook if callable(hook) else None
+
+
+def placement_hook(alloc: Allocator) -> PlacedAllocator | None:
+    """``alloc.placed`` if the allocator offers one (see ``PlacedAllocator``)."""
+    hook = getattr(alloc, "placed", None)
     return hook if callable(hook) else None
 
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from gateway.codec import Codec, frame_head
-from gateway.connector import Connector, as_parts
+from gateway.connector import PLACEMENT, Connector, as_parts
 from gateway.errors import CapacityError, CorruptObject, GatewayError
 from gateway.frame import FrameHeader, decode_frame
 from gateway.frame_check import StreamingChecksum
@@ -311,9 +311,8 @@ class ConnectorTier:
                     in_slab.release()
                     raise CorruptObject("raw payload length differs from the object's length")
                 # The frame is in a pool slab: the payload is used in place, no copy.
-                return Found(
-                    meta, slab=in_slab, offset=size - payload.nbytes, expires_at=_expiry(header)
-                )
+                offset = alloc_frame.shift + size - payload.nbytes
+                return Found(meta, slab=in_slab, offset=offset, expires_at=_expiry(header))
             codec = self._codec_for(header)
             out_slab = alloc(header.raw_len)
             out = out_slab.view() if out_slab is not None else None
@@ -357,22 +356,34 @@ class _FrameAlloc:
     the one returned, is trusted to hold the frame (``slab_of``) or its digest (``digest``).
     """
 
-    __slots__ = ("_alloc", "_check", "_given", "slabs")
+    __slots__ = ("_alloc", "_check", "_given", "shift", "slabs")
 
     def __init__(self, alloc: Callable[[int], Slab | None]) -> None:
         self._alloc = alloc
         self.slabs: list[Slab] = []  # every slab given, released by the caller
         self._given: tuple[Slab, memoryview] | None = None  # the latest, if it was a slab
         self._check: StreamingChecksum | None = None
+        self.shift = 0  # where in its slab the latest buffer starts
 
     def __call__(self, n: int) -> memoryview | None:
+        return self._give(n, None)
+
+    def placed(self, n: int, phase: int) -> memoryview | None:
+        """A buffer whose address is ``phase`` modulo PLACEMENT (see ``PlacedAllocator``): a
+        slab one page larger, used from the right offset."""
+        return self._give(n, phase % PLACEMENT)
+
+    def _give(self, n: int, phase: int | None) -> memoryview | None:
         self._given = None
         self._check = None
-        slab = self._alloc(n)
+        self.shift = 0
+        slab = self._alloc(n if phase is None else n + PLACEMENT)
         if slab is None:
             return None
         self.slabs.append(slab)
-        view = slab.view()
+        if phase is not None and n:
+            self.shift = (phase - _address(slab.view())) % PLACEMENT
+        view = slab.view(self.shift, n)
         self._given = (slab, view)
         self._check = StreamingChecksum(view)
         return view

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -239,3 +240,59 @@ async def test_a_cancelled_direct_put_leaves_no_temp_file(tmp_path: Path) -> Non
         if await conn.exists(key):  # cancelled too late to stop: then it is whole
             assert_same_bytes(await conn.get(key), LEAD + bytes(body))
     await conn.close()
+
+
+class PlacedRecorder:
+    """An allocator with ``placed``: records the phases a connector asks for."""
+
+    def __init__(self) -> None:
+        self.phases: list[int] = []
+
+    def __call__(self, n: int) -> memoryview:
+        return memoryview(bytearray(n))
+
+    def placed(self, n: int, phase: int) -> memoryview:
+        self.phases.append(phase)
+        page = aligned(bytes(n + rec.DIO_ALIGN))
+        return page[phase : phase + n]
+
+
+async def test_a_direct_read_asks_for_a_buffer_at_the_datas_phase(tmp_path: Path) -> None:
+    body = make_bytes(3 * MiB + 7)
+    conn = FileConnector(tmp_path, direct_io=True)
+    await conn.put("k", [LEAD, aligned(body)])
+    _, _, data_offset = record_fields(conn.path_for("k"))
+    alloc = PlacedRecorder()
+    assert_same_bytes(await conn.get_into("k", alloc), LEAD + body)
+    await conn.close()
+    again = FileConnector(tmp_path, direct_io=True)  # the phase comes from the scan now
+    assert_same_bytes(await again.get_into("k", alloc), LEAD + body)
+    assert alloc.phases == [data_offset % rec.DIO_ALIGN] * 2
+    await again.close()
+
+
+@pytest.mark.parametrize("offset", [0, 24, 4095, 4096, 5000])
+@pytest.mark.parametrize("total", [1, 4096, 3 * MiB + 5, rec.DIRECT_READ_STEP + 4097])
+@pytest.mark.parametrize("same_phase", [True, False])
+def test_direct_steps_cover_the_buffer_once_and_read_in_place_only_aligned(
+    offset: int, total: int, same_phase: bool
+) -> None:
+    page = aligned(bytes(total + 2 * rec.DIO_ALIGN))
+    shift = offset % rec.DIO_ALIGN if same_phase else (offset + 64) % rec.DIO_ALIGN
+    buf = page[shift : shift + total]
+    steps = rec.Steps.direct(buf, offset)
+    pieces = []
+    while (piece := steps.take()) is not None:
+        pieces.append(piece)
+    assert pieces[0][0] == 0
+    assert pieces[-1][1] == total
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
+    for start, end, bounce in pieces:
+        assert end - start <= (rec.BOUNCE_STEP if bounce else rec.DIRECT_READ_STEP)
+        if not bounce:  # the disk writes these bytes into the buffer itself
+            assert (offset + start) % rec.DIO_ALIGN == 0
+            assert (end - start) % rec.DIO_ALIGN == 0
+            assert rec.is_aligned(buf[start:end])
+    in_place = sum(end - start for start, end, bounce in pieces if not bounce)
+    whole_block_inside = -offset % rec.DIO_ALIGN + rec.DIO_ALIGN <= total
+    assert (in_place > 0) == (same_phase and whole_block_inside)

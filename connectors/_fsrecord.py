@@ -28,6 +28,7 @@ stop touching its buffers quickly.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -61,7 +62,7 @@ READ_STEP = 1 << 20  # parallel reads take steps of this size (see Steps)
 # 0.56: three rounds each, swinging 0.36-0.89 between rounds). Pieces that go through a bounce
 # buffer (a phase that does not match) are smaller, to bound the buffer each thread keeps.
 DIRECT_READ_STEP = 32 << 20
-BOUNCE_STEP = 8 << 20
+BOUNCE_STEP = 1 << 20
 # Well under IOV_MAX (1024 on Linux).
 _MAX_IOV = 512
 # O_DIRECT needs file offsets, lengths and memory aligned to the device's logical block (512
@@ -86,6 +87,7 @@ class Record(NamedTuple):
     data_offset: int
     data_len: int
     mtime_ns: int
+    pad: int = 0  # zero bytes before the data (version 2)
 
 
 def encode_key(key: str) -> bytes:
@@ -147,7 +149,7 @@ def read_record(fd: int) -> Record:
         key = key_bytes.decode("utf-8", "surrogatepass")
     except UnicodeDecodeError as exc:
         raise BadRecord("key is not UTF-8") from exc
-    return Record(key, data_offset, data_len, st.st_mtime_ns)
+    return Record(key, data_offset, data_len, st.st_mtime_ns, pad)
 
 
 def open_record(path: str, key: str) -> tuple[int, Record]:
@@ -292,7 +294,11 @@ def _pwrite_all(fd: int, view: memoryview, offset: int, stop: threading.Event) -
     while pos < view.nbytes:
         if stop.is_set():
             raise Stopped
-        pos += os.pwrite(fd, view[pos : pos + CHUNK], offset + pos)
+        piece = view[pos : pos + CHUNK]
+        written = os.pwrite(fd, piece, offset + pos)
+        if written < piece.nbytes:  # the rest would start off a block boundary: EINVAL
+            raise OSError(errno.ENOSPC, f"O_DIRECT wrote {written} of {piece.nbytes} bytes")
+        pos += written
 
 
 def write_direct(
@@ -311,21 +317,19 @@ def write_direct(
         raise ValueError("write_direct needs an aligned lead length and body address")
     full = body.nbytes - body.nbytes % DIO_ALIGN
     tail = body.nbytes - full
-    with mmap.mmap(-1, lead_len + DIO_ALIGN) as bounce_map:
-        bounce = memoryview(bounce_map)  # anonymous mmap: page-aligned and zero-filled
-        try:
-            pos = 0
-            for part in lead:
-                bounce[pos : pos + part.nbytes] = part
-                pos += part.nbytes
-            _pwrite_all(fd, bounce[:lead_len], 0, stop)
-            _pwrite_all(fd, body[:full], lead_len, stop)
-            if tail:
-                bounce[:tail] = body[full:]
-                bounce[tail:DIO_ALIGN] = bytes(DIO_ALIGN - tail)
-                _pwrite_all(fd, bounce[:DIO_ALIGN], lead_len + full, stop)
-        finally:
-            bounce.release()
+    # Page-aligned and zero-filled; freed with its last view (not closed here: on an error,
+    # the traceback still holds views of it).
+    bounce = memoryview(mmap.mmap(-1, lead_len + DIO_ALIGN))
+    pos = 0
+    for part in lead:
+        bounce[pos : pos + part.nbytes] = part
+        pos += part.nbytes
+    _pwrite_all(fd, bounce[:lead_len], 0, stop)
+    _pwrite_all(fd, body[:full], lead_len, stop)
+    if tail:
+        bounce[:tail] = body[full:]
+        bounce[tail:DIO_ALIGN] = bytes(DIO_ALIGN - tail)
+        _pwrite_all(fd, bounce[:DIO_ALIGN], lead_len + full, stop)
     os.ftruncate(fd, lead_len + body.nbytes)
 
 

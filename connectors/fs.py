@@ -28,13 +28,14 @@ more with O_DIRECT, so that the tier does not fill the page cache with what the 
 above it already caches. A put whose last part (the payload) starts on a page (a slab of the
 store's staging pool) is written straight from that memory: the record is padded (version 2,
 see _fsrecord) so that the payload lands on a block boundary. Other puts (codec output, small
-objects) go through the page cache as usual. Reads go through a per-thread bounce buffer of
-DIRECT_READ_STEP bytes (the payload's file offset and its slab's address differ by the frame's
-head), in the same two threads as buffered reads. Measured here with ``kvgate bench -t
-file://... --tier-options '{"direct_io": true}'``, against O_DIRECT writes and whole-file reads
-of the same files: puts at 0.9-1.15x, steadier than buffered puts on this VM, and gets at about
-0.4-0.7x, the cost of that bounce copy. A filesystem that refuses O_DIRECT (EINVAL at open)
-turns the option off with a warning.
+objects) write unpadded records through the page cache. Padded records are read with O_DIRECT:
+the index keeps where in a page each one's data starts, the allocator places the buffer at
+that phase (``placed``), and the disk fills its whole blocks in place; the partial blocks at
+either end, or a buffer at another phase, go through a small per-thread bounce buffer.
+Unpadded records are read through the page cache. A filesystem that refuses O_DIRECT (EINVAL
+at open, write or read) turns the option off with a warning, and the operation is redone
+through the page cache. Records written with it (version 2) are not readable by kvgate
+versions before it.
 
 The index is built lazily, in a worker thread, by the first operation (or an explicit
 ``await connector.open()``): construction only takes the lock, so it is cheap and sync, and
@@ -184,10 +185,11 @@ def _read_object(
     try:
         if record.data_len != buf.nbytes:
             raise _SizeChanged(record.data_len)
-        if direct:
-            direct = _set_direct(fd)
         offset = record.data_offset
-        steps = rec.Steps.direct(buf, offset) if direct else rec.Steps.even(buf.nbytes)
+        if direct and _set_direct(fd):
+            steps = rec.Steps.direct(buf, offset)
+        else:
+            steps = rec.Steps.even(buf.nbytes)
         if buf.nbytes < PARALLEL_READ_BYTES:
             rec.read_steps(fd, buf, offset, steps, stop, filled)
             return
@@ -377,7 +379,8 @@ class FileConnector(BaseConnector):
                 self._index = {}
                 for record in sorted(found, key=lambda r: (r.mtime_ns, r.key)):
                     self._index[record.key] = record.data_len
-                    self._phases[record.key] = record.data_offset % rec.DIO_ALIGN
+                    if record.pad:
+                        self._phases[record.key] = record.data_offset % rec.DIO_ALIGN
                     self._used += record.data_len
                     if self._policy is not None:
                         self._policy.insert(record.key, record.data_len)
@@ -451,11 +454,15 @@ class FileConnector(BaseConnector):
             if size is None:
                 return None
             path = self.path_for(key)
-            direct = self.direct_io and size >= DIRECT_IO_BYTES
+            # Only padded records are read with O_DIRECT: their payload starts on a block, so a
+            # buffer placed at the data's phase also keeps the payload aligned in memory.
+            phase = self._phases.get(key)
+            direct = self.direct_io and size >= DIRECT_IO_BYTES and phase is not None
+            place = placement_hook(alloc) if direct else None
+            replaced = 0
             try:
-                place = placement_hook(alloc) if direct else None
-                for _ in range(2):
-                    given = place(size, self._phases.get(key, 0)) if place else alloc(size)
+                while True:
+                    given = place(size, phase or 0) if place else alloc(size)
                     buf = memoryview(bytearray(size)) if given is None else given.cast("B")
                     if buf.nbytes != size:
                         raise ValueError(f"alloc({size}) gave {buf.nbytes} bytes")
@@ -465,10 +472,16 @@ class FileConnector(BaseConnector):
                             lambda stop: _read_object(path, key, buf, filled, stop, direct)  # noqa: B023
                         )
                         break
-                    except _SizeChanged as changed:
-                        size = changed.size
-                else:  # replaced twice while we read: an object this busy is a miss now
-                    return None
+                    except _SizeChanged as changed:  # another record now: no phase known
+                        size, direct, place = changed.size, False, None
+                        replaced += 1
+                        if replaced == 2:  # replaced twice while we read: a miss now
+                            return None
+                    except OSError as exc:
+                        if not (direct and exc.errno == errno.EINVAL):
+                            raise
+                        self._refuse_direct("a read")  # then read it again, buffered
+                        direct, place = False, None
             except _UNREADABLE:
                 await self._forget_unreadable(key)
                 return None
@@ -541,7 +554,7 @@ class FileConnector(BaseConnector):
             index = await self._ready()
             path = self.path_for(key)
             head, body, data_offset = self._layout(key, size, parts)
-            phase = data_offset % rec.DIO_ALIGN
+            phase = data_offset % rec.DIO_ALIGN if body is not None else None
             async with self._keys.hold(key):
                 reservation = await self._make_room(size - index.get(key, 0))
                 try:
@@ -597,7 +610,7 @@ class FileConnector(BaseConnector):
         try:
             try:
                 if body is not None and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-                    rec.write_direct(fd, lead, body, stop)
+                    self._write_direct(fd, lead, body, stop)
                 else:
                     rec.write_all(fd, [*lead, *([] if body is None else [body])], stop)
                 if stop.is_set():  # no need to make durable what will not be kept
@@ -621,16 +634,36 @@ class FileConnector(BaseConnector):
 
     def _open_for_write(self, tmp: str, flags: int, *, direct: bool) -> int:
         """Open the temp file, with O_DIRECT when asked and the filesystem takes it (else
-        buffered, and direct_io is switched off with a warning: it would fail every time)."""
+        buffered, and direct_io is switched off: it would fail every time)."""
         if direct and self.direct_io:
             try:
                 return os.open(tmp, flags | os.O_DIRECT, 0o644)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self.direct_io = False
-                log.warning("%r: the filesystem refuses O_DIRECT; direct_io is off", self)
+                _unlink_quiet(tmp)  # Linux creates the file before it refuses O_DIRECT
+                self._refuse_direct("an open")
         return os.open(tmp, flags, 0o644)
+
+    def _write_direct(
+        self, fd: int, lead: Sequence[memoryview], body: memoryview, stop: threading.Event
+    ) -> None:
+        """write_direct, or, where the filesystem took O_DIRECT at open but refuses its writes
+        (an alignment larger than a page), the same bytes again through the page cache."""
+        try:
+            rec.write_direct(fd, lead, body, stop)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._refuse_direct("a write")
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            os.ftruncate(fd, 0)
+            rec.write_all(fd, [*lead, body], stop)  # from offset 0: direct writes use pwrite
+
+    def _refuse_direct(self, what: str) -> None:
+        if self.direct_io:
+            self.direct_io = False
+            log.warning("%r: the filesystem refused O_DIRECT (%s); direct_io is off", self, what)
 
     def _make_dirs(self, leaf: str) -> None:
         if os.path.isdir(leaf):
@@ -643,11 +676,15 @@ class FileConnector(BaseConnector):
             if self.fsync_dir:  # the new directory's own entry must survive a crash too
                 _fsync_dir(os.path.dirname(d))
 
-    def _commit(self, key: str, size: int, phase: int) -> None:
+    def _commit(self, key: str, size: int, phase: int | None) -> None:
+        """Index a written record; ``phase`` is its data's, if it was padded for O_DIRECT."""
         assert self._index is not None
         self._used += size - self._index.get(key, 0)
         self._index[key] = size
-        self._phases[key] = phase
+        if phase is None:
+            self._phases.pop(key, None)
+        else:
+            self._phases[key] = phase
         if self._policy is not None:
             self._policy.insert(key, size)
 

@@ -1,11 +1,13 @@
 """file:// reads of large objects: two threads taking interleaved steps, a file replaced
 behind the index, a file cut short while it is read, and a cancelled read; each through the
-page cache and with ``direct_io`` (O_DIRECT through a bounce buffer)."""
+page cache and with ``direct_io`` (objects put from page-aligned memory, so that their records
+are padded and read with O_DIRECT, in place into buffers the allocator places)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from connectors._fsrecord import DIRECT_READ_STEP, pack_head
+from connectors import _fsrecord as rec
+from connectors._fsrecord import DIRECT_READ_STEP
 from connectors.fs import PARALLEL_READ_BYTES, FileConnector
 
 MiB = 1 << 20
@@ -29,17 +32,42 @@ def direct(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
 
 
+async def put(conn: FileConnector, key: str, data: bytes, direct: bool) -> None:
+    """Put ``data``; with ``direct``, from page-aligned memory (a padded record)."""
+    if not direct:
+        await conn.put(key, data)
+        return
+    memory = mmap.mmap(-1, len(data))
+    memory[:] = data
+    await conn.put(key, memoryview(memory))
+
+
+def data_offset(path: str) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return rec.read_record(fd).data_offset
+    finally:
+        os.close(fd)
+
+
 class Recorder:
-    """An allocator with the fill hook: records what the connector reports."""
+    """An allocator with the fill and placement hooks: records what the connector reports."""
 
     def __init__(self) -> None:
         self.ranges: list[tuple[int, int]] = []
         self.sizes: list[int] = []
+        self.phases: list[int] = []
 
     def __call__(self, n: int) -> memoryview:
         self.sizes.append(n)
         self.ranges.clear()
         return memoryview(bytearray(n))
+
+    def placed(self, n: int, phase: int) -> memoryview:
+        self.sizes.append(n)
+        self.phases.append(phase)
+        self.ranges.clear()
+        return memoryview(mmap.mmap(-1, n + rec.DIO_ALIGN))[phase : phase + n]
 
     def filled(self, start: int, stop: int) -> None:
         self.ranges.append((start, stop))  # list.append is atomic: called from two threads
@@ -48,11 +76,12 @@ class Recorder:
 async def test_large_read_reports_every_byte_once(tmp_path: Path, direct: bool) -> None:
     conn = FileConnector(tmp_path, direct_io=direct)
     data = payload(BIG, 1)
-    await conn.put("k", data)
+    await put(conn, "k", data, direct)
     alloc = Recorder()
     got = await conn.get_into("k", alloc)
     assert got is not None
     assert bytes(got) == data
+    assert len(alloc.phases) == direct  # a direct read asks for a placed buffer
     covered = sorted(alloc.ranges)
     assert covered[0][0] == 0
     assert covered[-1][1] == BIG
@@ -69,7 +98,7 @@ async def test_a_file_replaced_with_another_size_is_read_at_its_size(
     await conn.put("k", small)
     saved = tmp_path / "saved"
     shutil.copy(conn.path_for("k"), saved)
-    await conn.put("k", payload(BIG, 3))
+    await put(conn, "k", payload(BIG, 3), direct)
     os.replace(saved, conn.path_for("k"))
     alloc = Recorder()
     got = await conn.get_into("k", alloc)
@@ -101,10 +130,11 @@ async def test_a_record_cut_short_mid_read_is_a_miss(
     size = 3 * DIRECT_READ_STEP + 123 if direct else BIG
     kept = {"1MiB+1": MiB + 1, "half": size // 2, "all but 1": size - 1}[keep]
     conn = FileConnector(tmp_path, direct_io=direct)
-    await conn.put("k", payload(size, 4))
+    await put(conn, "k", payload(size, 4), direct)
     path = conn.path_for("k")
-    header = len(pack_head("k", size))  # the record's bytes before the data
-    assert await conn.get_into("k", CutsTheFile(path, header + kept)) is None
+    cutter = CutsTheFile(path, data_offset(path) + kept)
+    assert await conn.get_into("k", cutter) is None
+    assert bool(cutter.phases) == direct  # in place
     assert not await conn.exists("k")
     assert conn.corrupt_files == 1  # the short file went to quarantine
     await conn.put("k", b"fresh")
@@ -117,7 +147,7 @@ async def test_a_cancelled_large_read_leaves_the_connector_usable(
 ) -> None:
     conn = FileConnector(tmp_path, direct_io=direct)
     data = payload(BIG, 5)
-    await conn.put("k", data)
+    await put(conn, "k", data, direct)
     for delay in (0, 0.0005, 0.002):
         task = asyncio.ensure_future(conn.get_into("k", Recorder()))
         await asyncio.sleep(delay)

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from connectors import _fsrecord as rec
-from connectors.fs import DIRECT_IO_BYTES, FileConnector
+from connectors._fsread import DIRECT_IO_BYTES
+from connectors.fs import FileConnector
 from gateway import Store
 from gateway.testing import assert_same_bytes, make_bytes
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from connectors import _fsrecord as rec
+from connectors._fsread import PARALLEL_READ_BYTES
 from connectors._fsrecord import DIRECT_READ_STEP
-from connectors.fs import PARALLEL_READ_BYTES, FileConnector
+from connectors.fs import FileConnector
 
 MiB = 1 << 20
 BIG = PARALLEL_READ_BYTES + 3 * MiB + 123  # two reading threads, a short last step

@@ -130,7 +130,7 @@ def read_direct(path: Path, buf: memoryview) -> None:
         os.close(fd)
 
 
-WARM_MEMORY_CAP = 2 << 30
+WARM_MEMORY_CAP = 4 << 30  # 1.5 times a 2 GiB phase (the default bench: 64 x 32 MiB), and some
 
 
 def warm_free_memory(nbytes: int) -> None:
@@ -145,8 +145,9 @@ def warm_free_memory(nbytes: int) -> None:
     (``benchmarks/disk_effects.py --only warm_memory --rounds 6``). Which phase found such
     pages was chance (the baseline right after the store had freed its memory did), so both
     sides' write phases now start from the same state. Half as much again as the phase needs
-    made the slow rounds rarer: ``disk_effects.py --only warm_sizes --rounds 4`` gave medians
-    of 1.79 GB/s with 1x and 1.87 with 1.5x, and slowest rounds of 1.33 and 1.68.
+    is a margin, not a measured optimum: ``disk_effects.py --only warm_sizes --rounds 4`` gave
+    medians of 1.23 GB/s with 0.75x, 1.79 with 1x and 1.87 with 1.5x (slowest rounds 1.33 and
+    1.68 for the last two, a difference within this disk's noise over 4 rounds).
     """
     n = min(nbytes * 3 // 2, WARM_MEMORY_CAP)
     if n > 0:

@@ -18,8 +18,9 @@ from gateway.memory import _cuda_available
 
 @pytest.fixture
 def no_cyclic_gc() -> Iterator[None]:
-    # The first check for CUDA imports torch, whose import keeps that call's frames (and so
-    # the first pool being built) alive for good: a one-off per process, done before the test.
+    # The first check for CUDA imports torch, and that import leaves the calling frames (and
+    # so the first pool being built) in a reference cycle that only the cyclic GC frees: a
+    # one-off per process, done here before the GC is turned off.
     _cuda_available()
     gc.collect()
     gc.disable()

@@ -38,10 +38,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
 import xxhash
 
-from gateway.connector import FillHook
+from gateway.connector import PLACEMENT, FillHook, address_of
 
 MAGIC = b"KVGD"
 VERSION = 1
@@ -66,8 +65,9 @@ BOUNCE_STEP = 1 << 20
 # Well under IOV_MAX (1024 on Linux).
 _MAX_IOV = 512
 # O_DIRECT needs file offsets, lengths and memory aligned to the device's logical block (512
-# here, 4096 on 4Kn disks); a page satisfies every device.
-DIO_ALIGN = 4096
+# here, 4096 on 4Kn disks); a page satisfies every device. The allocator's ``placed`` phases
+# are taken modulo the same page.
+DIO_ALIGN = PLACEMENT
 
 
 class BadRecord(Exception):
@@ -208,7 +208,7 @@ class Steps:
         either end go through a bounce buffer; otherwise every piece does.
         """
         total = buf.nbytes
-        if total == 0 or (_address(buf) - offset) % DIO_ALIGN:
+        if total == 0 or (address_of(buf) - offset) % DIO_ALIGN:
             return cls(
                 [(s, min(total, s + BOUNCE_STEP), True) for s in range(0, total, BOUNCE_STEP)]
             )
@@ -282,11 +282,7 @@ def write_all(fd: int, parts: Sequence[memoryview], stop: threading.Event) -> No
 
 def is_aligned(view: memoryview) -> bool:
     """Whether O_DIRECT can take ``view`` as it is: contiguous, at a DIO_ALIGN-aligned address."""
-    return view.nbytes > 0 and view.c_contiguous and _address(view) % DIO_ALIGN == 0
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data)
+    return view.nbytes > 0 and view.c_contiguous and address_of(view) % DIO_ALIGN == 0
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int, stop: threading.Event) -> None:

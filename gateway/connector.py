@@ -21,6 +21,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
+import numpy as np
+
 from gateway.errors import Unsupported
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
@@ -46,7 +48,12 @@ address is ``phase`` modulo PLACEMENT (a page). A connector that reads with O_DI
 the phase of the file offset it reads from, so the disk can fill the buffer itself. The
 ``filled`` ranges then refer to that buffer."""
 
-PLACEMENT = 4096
+PLACEMENT = 4096  # a page: what O_DIRECT needs of addresses and offsets on any device
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers included)."""
+    return int(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data)
 
 
 def fill_hook(alloc: Allocator) -> FillHook | None:

@@ -22,13 +22,14 @@ from typing import Any
 
 import numpy as np
 
+from gateway.connector import PLACEMENT
 from gateway.objects import HAS_TORCH
 
 ALIGN = 256  # DMA-friendly and enough for every dtype's alignment
 # Slabs of at least PAGE_ALIGN_FROM bytes start on a page: O_DIRECT (the file tier's
 # ``direct_io``) can then write a staged object straight from its slab. The gap this leaves
 # before such a slab (under a page) stays free and merges back when its neighbours are freed.
-PAGE = 4096
+PAGE = PLACEMENT
 PAGE_ALIGN_FROM = 64 << 10
 
 

@@ -580,9 +580,6 @@ def _tier_names(tiers: Sequence[TierConfig]) -> list[str]:
     return names
 
 
-__all__ = ["Store"]
-
-
 def _weak_call(method: weakref.WeakMethod[Callable[[], None]]) -> Callable[[], None]:
     """A callback that calls ``method`` while its object lives, and does nothing after."""
 
@@ -592,3 +589,6 @@ def _weak_call(method: weakref.WeakMethod[Callable[[], None]]) -> Callable[[], N
             bound()
 
     return call
+
+
+__all__ = ["Store"]

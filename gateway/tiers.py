@@ -20,10 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
-
 from gateway.codec import Codec, frame_head
-from gateway.connector import PLACEMENT, Connector, as_parts
+from gateway.connector import PLACEMENT, Connector, address_of, as_parts
 from gateway.errors import CapacityError, CorruptObject, GatewayError
 from gateway.frame import FrameHeader, decode_frame
 from gateway.frame_check import StreamingChecksum
@@ -382,7 +380,7 @@ class _FrameAlloc:
             return None
         self.slabs.append(slab)
         if phase is not None and n:
-            self.shift = (phase - _address(slab.view())) % PLACEMENT
+            self.shift = (phase - address_of(slab.view())) % PLACEMENT
         view = slab.view(self.shift, n)
         self._given = (slab, view)
         self._check = StreamingChecksum(view)
@@ -423,11 +421,7 @@ def _same_memory(a: Buffer, b: memoryview) -> bool:
     view = memoryview(a)
     if view.nbytes != b.nbytes or view.nbytes == 0:
         return False
-    return _address(view) == _address(b)
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
+    return address_of(view) == address_of(b)
 
 
 def _meta_of(header: FrameHeader) -> ObjectMeta:

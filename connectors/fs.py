@@ -65,6 +65,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Self, TypeVar
 from urllib.parse import unquote
 
@@ -84,6 +85,7 @@ from gateway.connector import (
 from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
 from gateway.inflight import InFlight
 from gateway.policies import EvictionPolicy, make_policy
+from gateway.thread_jobs import in_thread
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,25 @@ class FileOptions(StrictOptions):
     direct_io: bool = False
 
 
+# The connector's blocking work (reads, writes with their fsyncs, scans) runs in threads of
+# its own, as many as asyncio's default executor would have: steady threads that the event
+# loop wakes and is woken by directly (gateway.thread_jobs), shared by every file tier.
+def _fs_threads() -> ThreadPoolExecutor:
+    workers = min(32, (os.cpu_count() or 1) + 4)
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-fs")
+
+
+_FS_THREADS = _fs_threads()
+
+
+def _new_fs_threads_after_fork() -> None:
+    global _FS_THREADS  # a forked child inherits the executor but not its threads
+    _FS_THREADS = _fs_threads()
+
+
+os.register_at_fork(after_in_child=_new_fs_threads_after_fork)
+
+
 async def _in_thread(
     fn: Callable[[threading.Event], T], on_abandon: Callable[[T], None] | None = None
 ) -> T:
@@ -114,17 +135,9 @@ async def _in_thread(
     return before re-raising: ``fn`` may be using the caller's buffers. A result that ``fn``
     produced anyway goes to ``on_abandon`` (to commit a finished write, to close a file)."""
     stop = threading.Event()
-    job = asyncio.ensure_future(asyncio.to_thread(fn, stop))
-    try:
-        return await asyncio.shield(job)
-    except asyncio.CancelledError:
-        stop.set()
-        while not job.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait((job,))
-        if job.exception() is None and on_abandon is not None:
-            on_abandon(job.result())
-        raise
+    return await in_thread(
+        _FS_THREADS, functools.partial(fn, stop), on_cancel=stop.set, on_abandon=on_abandon
+    )
 
 
 def _no_buffer(size: int) -> memoryview | None:

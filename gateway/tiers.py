@@ -8,8 +8,6 @@ which counts them and treats them as misses.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -29,6 +27,7 @@ from gateway.memory import BufferPool, Slab
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, check_meta, to_object
 from gateway.policies import EvictionPolicy
 from gateway.registry import load_codec
+from gateway.thread_jobs import in_thread
 from gateway.types import OBJECT_KINDS, Buffer, TierStats
 
 log = logging.getLogger("kvgate.tiers")
@@ -71,15 +70,7 @@ async def offload(nbytes: int, fn: Callable[..., T], *args: Any, device: bool = 
     """
     if nbytes < OFFLOAD_BYTES and not device:
         return fn(*args)
-    loop = asyncio.get_running_loop()
-    job = loop.run_in_executor(_CPU_THREADS, functools.partial(fn, *args))
-    try:
-        return await asyncio.shield(job)
-    except asyncio.CancelledError:
-        while not job.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait((job,))
-        raise
+    return await in_thread(_CPU_THREADS, functools.partial(fn, *args))
 
 
 class Found:

@@ -1,0 +1,128 @@
+"""gateway.thread_jobs.in_thread: results, errors, and cancellation that never abandons a job."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gateway.thread_jobs import in_thread
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        yield executor
+
+
+async def test_result_and_thread(pool: ThreadPoolExecutor) -> None:
+    caller = threading.get_ident()
+    assert await in_thread(pool, lambda: threading.get_ident() != caller)
+
+
+async def test_exception_propagates(pool: ThreadPoolExecutor) -> None:
+    def fail() -> None:
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        await in_thread(pool, fail)
+
+
+async def test_cancel_waits_for_the_job_and_asks_it_to_stop(pool: ThreadPoolExecutor) -> None:
+    started, stop = threading.Event(), threading.Event()
+    finished: list[str] = []
+    abandoned: list[str] = []
+
+    def job() -> str:
+        started.set()
+        stop.wait(5)
+        finished.append("yes")
+        return "result"
+
+    task = asyncio.ensure_future(
+        in_thread(pool, job, on_cancel=stop.set, on_abandon=abandoned.append)
+    )
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The job had returned before the cancellation reached the caller, and its result was
+    # handed over instead of dropped.
+    assert finished == ["yes"]
+    assert abandoned == ["result"]
+
+
+async def test_repeated_cancels_still_wait(pool: ThreadPoolExecutor) -> None:
+    started, release = threading.Event(), threading.Event()
+    finished: list[bool] = []
+
+    def job() -> None:
+        started.set()
+        release.wait(5)
+        finished.append(True)
+
+    task = asyncio.ensure_future(in_thread(pool, job))
+    await asyncio.to_thread(started.wait, 5)
+    for _ in range(3):
+        task.cancel()
+        await asyncio.sleep(0.01)
+    assert not task.done()  # still waiting for the job, whatever the caller was told
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == [True]
+
+
+async def test_failed_job_is_not_abandoned_to_the_hook(pool: ThreadPoolExecutor) -> None:
+    started = threading.Event()
+    abandoned: list[object] = []
+
+    def job() -> None:
+        started.set()
+        threading.Event().wait(0.1)
+        raise OSError("disk")
+
+    task = asyncio.ensure_future(in_thread(pool, job, on_abandon=abandoned.append))
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert abandoned == []
+
+
+async def test_cancel_before_start_withdraws_the_job(pool: ThreadPoolExecutor) -> None:
+    busy, release = threading.Event(), threading.Event()
+    ran: list[bool] = []
+    cancelled: list[bool] = []
+
+    def block() -> None:
+        busy.set()
+        release.wait(5)
+
+    blocker = asyncio.ensure_future(in_thread(pool, block))
+    await asyncio.to_thread(busy.wait, 5)
+    queued = asyncio.ensure_future(
+        in_thread(pool, lambda: ran.append(True), on_cancel=lambda: cancelled.append(True))
+    )
+    await asyncio.sleep(0.01)
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued  # returns at once: the pool's only thread is still busy
+    release.set()
+    await blocker
+    assert ran == []
+    assert cancelled == []
+
+
+async def test_many_jobs_resume_their_own_callers(pool: ThreadPoolExecutor) -> None:
+    def square(i: int) -> int:
+        return i * i
+
+    results = await asyncio.gather(
+        *(in_thread(pool, functools.partial(square, i)) for i in range(200))
+    )
+    assert results == [i * i for i in range(200)]

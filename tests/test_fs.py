@@ -7,9 +7,7 @@ import asyncio
 import gc
 import os
 import struct
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -371,28 +369,6 @@ async def test_cancelled_put_leaves_no_temp_file_and_a_true_index(tmp_path: Path
     sizes = await listed(conn, "")
     assert conn.usage() == (sum(sizes.values()), None)
     await conn.close()
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs: a disk that really fills up. Needs root (CAP_SYS_ADMIN)."""
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount command: cannot make a small disk to fill")
-    if done.returncode != 0:
-        pytest.skip(f"mounting a 2 MiB tmpfs is not permitted here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 async def test_full_disk_is_a_capacity_error_and_leaves_nothing_behind(small_disk: Path) -> None:

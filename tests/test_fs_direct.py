@@ -28,6 +28,7 @@ from connectors import _fsrecord as rec
 from connectors._fsread import DIRECT_IO_BYTES
 from connectors.fs import FileConnector
 from gateway import Store
+from gateway.errors import CapacityError
 from gateway.testing import assert_same_bytes, make_bytes
 
 MiB = 1 << 20
@@ -60,6 +61,10 @@ def resident_bytes(path: str) -> int:
 
 def file_size(path: str) -> int:
     return os.stat(path).st_size
+
+
+def on_disk(path: str) -> bool:
+    return os.path.exists(path)
 
 
 def flip_byte(path: str, from_end: int) -> None:
@@ -345,3 +350,29 @@ async def test_a_filesystem_that_refuses_o_direct_reads_gets_them_buffered(
     monkeypatch.undo()
     assert conn.direct_io is False
     await conn.close()
+
+
+async def test_a_direct_put_on_a_full_disk_is_a_capacity_error_and_leaves_nothing_behind(
+    small_disk: Path,
+) -> None:
+    """The O_DIRECT write path runs out of space (a short write, then ENOSPC) like the
+    buffered one: CapacityError, no temp file, the other objects whole, and puts that fit
+    still go the direct way."""
+    conn = FileConnector(small_disk / "store", direct_io=True)
+    try:
+        kept = make_bytes(DIRECT_IO_BYTES, seed=1)
+        await conn.put("kept", [LEAD, aligned(kept)])
+        with pytest.raises(CapacityError, match="disk full"):
+            await conn.put("too-big", [LEAD, aligned(make_bytes(3 * MiB, seed=2))])
+        assert conn.direct_io  # not refused and redone buffered: the direct write hit the end
+        assert list((small_disk / "store" / "tmp").iterdir()) == []
+        assert not await conn.exists("too-big")
+        assert not on_disk(conn.path_for("too-big"))
+        assert_same_bytes(await conn.get("kept"), LEAD + kept)
+        await conn.delete("kept")
+        fits = make_bytes(DIRECT_IO_BYTES + 1, seed=3)
+        await conn.put("fits", [LEAD, aligned(fits)])
+        assert record_fields(conn.path_for("fits"))[0] == rec.VERSION_PADDED
+        assert_same_bytes(await conn.get("fits"), LEAD + fits)
+    finally:
+        await conn.close()

@@ -1,7 +1,8 @@
 """A preallocated host buffer pool: the store's L1 memory and its in-flight write staging.
 
-One arena is allocated once (pinned through torch when CUDA is available, an anonymous mmap
-otherwise, faulted in lazily), so steady-state puts allocate nothing: they copy into a slab.
+One arena is allocated once (pinned through torch when CUDA is available, otherwise anonymous
+memory advised for huge pages, see ``host_memory``), so steady-state puts allocate nothing:
+they copy into a slab.
 Slabs are reference counted. The cache index holds one reference, every queued write holds
 one, and every object handed to a reader holds one through a *lease*: a numpy array over the
 slab whose finalizer releases the reference when the last view of it (torch tensor, numpy
@@ -14,7 +15,6 @@ Finalizers can run on any thread (a tensor dropped in a worker thread), hence th
 from __future__ import annotations
 
 import bisect
-import mmap
 import threading
 import weakref
 from collections.abc import Callable
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from gateway.connector import PLACEMENT
+from gateway.host_memory import anonymous_memory
 from gateway.objects import HAS_TORCH
 
 ALIGN = 256  # DMA-friendly and enough for every dtype's alignment
@@ -91,7 +92,7 @@ class BufferPool:
     """Byte-capacity arena with first-fit allocation and coalescing free list."""
 
     def __init__(self, capacity: int, *, pin: bool | None = None, prefault: bool = False) -> None:
-        """``prefault`` maps the arena populated (seconds per GiB: build it off the loop)."""
+        """``prefault`` faults the arena in now (up to a second per GiB: build it off the loop)."""
         if capacity < 0:
             raise ValueError("pool capacity must be >= 0")
         self.capacity = capacity // ALIGN * ALIGN
@@ -105,10 +106,7 @@ class BufferPool:
             self._keepalive = t
             self.array: np.ndarray[Any, Any] = t.numpy()
         else:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            if prefault:
-                flags |= mmap.MAP_POPULATE
-            buf = mmap.mmap(-1, max(self.capacity, ALIGN), flags=flags)
+            buf = anonymous_memory(self.capacity, populate=prefault)
             self._keepalive = buf
             self.array = np.frombuffer(buf, dtype=np.uint8)[: self.capacity]
         self.arena = self.array.data

@@ -352,7 +352,9 @@ class StoreConfig(_Strict):
     ``max_object_size`` refuses larger puts (``CapacityError``) and bounds what a stored
     frame may claim on read. ``prefault`` touches the whole pool when the store opens (in a
     worker thread), so puts copy at memcpy speed from the first one instead of paying a page
-    fault per 4 KiB.
+    fault per 4 KiB. ``huge_pages`` backs the (unpinned) pool with transparent huge pages;
+    ``None`` does so when a tier's options ask for ``direct_io``, whose O_DIRECT reads ran 3x
+    faster into huge pages here (``gateway.host_memory``).
     """
 
     tiers: list[TierConfig] = Field(default_factory=default_tiers, min_length=1)
@@ -362,7 +364,14 @@ class StoreConfig(_Strict):
     prefetch_deadline: float = Field(default=10.0, gt=0)
     pin_memory: bool | None = None
     prefault: bool = True
+    huge_pages: bool | None = None
     max_object_size: ByteSize = Field(default=1 << 30, gt=0)
+
+    def pool_in_huge_pages(self) -> bool:
+        """``huge_pages``, or where it is None, whether some tier uses O_DIRECT."""
+        if self.huge_pages is not None:
+            return self.huge_pages
+        return any(tier.options.get("direct_io") is True for tier in self.tiers)
 
     @model_validator(mode="after")
     def _unique_names(self) -> StoreConfig:

@@ -80,11 +80,12 @@ def disk_baseline(
 
 def page_aligned_rows(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """A copy of a 2-D uint8 array whose rows start on pages and are padded with zeros to a
-    block multiple (O_DIRECT needs aligned memory and lengths), in the same huge-page memory
-    as the store's pool (``host_memory``): O_DIRECT speed depends on it."""
+    block multiple (O_DIRECT needs aligned memory and lengths). Zero-filled and in huge pages,
+    like the pool of a store with a direct_io tier (``host_memory``): O_DIRECT speed depends
+    on it."""
     rows, size = array.shape
     padded = size + (-size % DIO_ALIGN)
-    memory = anonymous_memory(rows * padded, populate=False)  # zero-filled, page-aligned
+    memory = anonymous_memory(rows * padded, populate=False, huge_pages=True)
     out: np.ndarray[Any, Any] = np.frombuffer(memory, dtype=np.uint8)[: rows * padded]
     out = out.reshape(rows, padded)
     out[:, :size] = array

@@ -1,7 +1,7 @@
 """A preallocated host buffer pool: the store's L1 memory and its in-flight write staging.
 
 One arena is allocated once (pinned through torch when CUDA is available, otherwise anonymous
-memory advised for huge pages, see ``host_memory``), so steady-state puts allocate nothing:
+memory, in huge pages on request: see ``host_memory``), so steady-state puts allocate nothing:
 they copy into a slab.
 Slabs are reference counted. The cache index holds one reference, every queued write holds
 one, and every object handed to a reader holds one through a *lease*: a numpy array over the
@@ -91,8 +91,16 @@ class Slab:
 class BufferPool:
     """Byte-capacity arena with first-fit allocation and coalescing free list."""
 
-    def __init__(self, capacity: int, *, pin: bool | None = None, prefault: bool = False) -> None:
-        """``prefault`` faults the arena in now (up to a second per GiB: build it off the loop)."""
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        pin: bool | None = None,
+        prefault: bool = False,
+        huge_pages: bool = False,
+    ) -> None:
+        """``prefault`` faults the arena in now (up to a second per GiB: build it off the loop).
+        ``huge_pages`` backs an unpinned arena with transparent huge pages (``host_memory``)."""
         if capacity < 0:
             raise ValueError("pool capacity must be >= 0")
         self.capacity = capacity // ALIGN * ALIGN
@@ -106,7 +114,7 @@ class BufferPool:
             self._keepalive = t
             self.array: np.ndarray[Any, Any] = t.numpy()
         else:
-            buf = anonymous_memory(self.capacity, populate=prefault)
+            buf = anonymous_memory(self.capacity, populate=prefault, huge_pages=huge_pages)
             self._keepalive = buf
             self.array = np.frombuffer(buf, dtype=np.uint8)[: self.capacity]
         self.arena = self.array.data

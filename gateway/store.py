@@ -143,15 +143,16 @@ class Store:
 
     async def _new_pool(self, capacity: int) -> BufferPool:
         cfg = self.config
+        huge = cfg.pool_in_huge_pages()
         if cfg.prefault:  # populating takes ~1 s per GiB: not on the event loop
             # Returned in a box that is emptied: the thread's futures end up in a reference
             # cycle, and holding the pool as their result would keep its memory until the next
             # cyclic collection (256 MiB per closed Store in a bench loop, measured).
             box = await asyncio.to_thread(
-                lambda: [BufferPool(capacity, pin=cfg.pin_memory, prefault=True)]
+                lambda: [BufferPool(capacity, pin=cfg.pin_memory, prefault=True, huge_pages=huge)]
             )
             return box.pop()
-        return BufferPool(capacity, pin=cfg.pin_memory)
+        return BufferPool(capacity, pin=cfg.pin_memory, huge_pages=huge)
 
     def _build_tier(self, index: int, name: str, tcfg: TierConfig) -> ConnectorTier:
         conn = self._given.get(index)

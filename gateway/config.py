@@ -48,6 +48,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -339,6 +340,15 @@ def _default_tier_dicts(env: Mapping[str, str] | None) -> list[dict[str, Any]]:
     ]
 
 
+def _truthy(value: Any) -> bool:
+    """Whether a connector option is true the way the connector's own (pydantic) options
+    read it: an environment override arrives as the string "true", YAML may say 1."""
+    try:
+        return TypeAdapter(bool).validate_python(value) if value is not None else False
+    except ValidationError:
+        return False  # the connector will refuse the value itself
+
+
 def default_tiers(env: Mapping[str, str] | None = None) -> list[TierConfig]:
     """The embedded tiers: a 2 GiB ``memory://`` L1 and a 20 GiB ``file://`` data directory."""
     return [TierConfig.model_validate(t) for t in _default_tier_dicts(env)]
@@ -371,7 +381,7 @@ class StoreConfig(_Strict):
         """``huge_pages``, or where it is None, whether some tier uses O_DIRECT."""
         if self.huge_pages is not None:
             return self.huge_pages
-        return any(tier.options.get("direct_io") is True for tier in self.tiers)
+        return any(_truthy(tier.options.get("direct_io")) for tier in self.tiers)
 
     @model_validator(mode="after")
     def _unique_names(self) -> StoreConfig:

@@ -33,7 +33,8 @@ async def in_thread(
     If the caller is cancelled while ``fn`` runs, ``on_cancel`` is called (to ask ``fn`` to
     stop early), then this waits for ``fn`` to return before re-raising, since ``fn`` may be
     using the caller's buffers. A result ``fn`` produced anyway goes to ``on_abandon`` (to
-    commit a finished write, to close a file). A job that had not started is withdrawn.
+    commit a finished write, to close a file); if that raises, its error replaces the
+    cancellation. A job that had not started is withdrawn.
     """
     loop = asyncio.get_running_loop()
     woken: asyncio.Future[None] = loop.create_future()
@@ -44,14 +45,18 @@ async def in_thread(
     except asyncio.CancelledError:
         if job.cancel():  # never started: nothing uses the buffers
             raise
-        if on_cancel is not None:
-            on_cancel()
-        waiting = asyncio.wrap_future(job)
-        while not waiting.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait((waiting,))
-        if on_abandon is not None and job.exception() is None:
-            on_abandon(job.result())
+        try:
+            if on_cancel is not None:
+                on_cancel()
+        finally:  # whatever on_cancel did, the job may still be using the buffers
+            waiting = asyncio.wrap_future(job)
+            while not waiting.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait((waiting,))
+        # Through the wrapper, so that asyncio sees a failure as retrieved (else it logs
+        # "exception was never retrieved" for a job that failed after its caller left).
+        if waiting.exception() is None and on_abandon is not None:
+            on_abandon(waiting.result())
         raise
     return job.result()
 

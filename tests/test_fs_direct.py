@@ -364,7 +364,8 @@ async def test_a_direct_put_on_a_full_disk_is_a_capacity_error_and_leaves_nothin
         await conn.put("kept", [LEAD, aligned(kept)])
         with pytest.raises(CapacityError, match="disk full"):
             await conn.put("too-big", [LEAD, aligned(make_bytes(3 * MiB, seed=2))])
-        assert conn.direct_io  # not refused and redone buffered: the direct write hit the end
+        if not conn.direct_io:  # tmpfs takes O_DIRECT since Linux 6.6
+            pytest.skip("this kernel's tmpfs refuses O_DIRECT: the direct path was not reached")
         assert list((small_disk / "store" / "tmp").iterdir()) == []
         assert not await conn.exists("too-big")
         assert not on_disk(conn.path_for("too-big"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -126,3 +127,48 @@ async def test_many_jobs_resume_their_own_callers(pool: ThreadPoolExecutor) -> N
         *(in_thread(pool, functools.partial(square, i)) for i in range(200))
     )
     assert results == [i * i for i in range(200)]
+
+
+async def test_a_job_failing_after_its_caller_left_is_not_reported_as_unretrieved(
+    pool: ThreadPoolExecutor,
+) -> None:
+    started = threading.Event()
+    reported: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+
+    def job() -> None:
+        started.set()
+        threading.Event().wait(0.05)
+        raise OSError("disk full")
+
+    task = asyncio.ensure_future(in_thread(pool, job))
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    del task
+    gc.collect()  # asyncio reports unretrieved exceptions when the future is collected
+    await asyncio.sleep(0)
+    assert reported == []
+
+
+async def test_a_failing_on_cancel_still_waits_for_the_job(pool: ThreadPoolExecutor) -> None:
+    started, release = threading.Event(), threading.Event()
+    finished: list[bool] = []
+
+    def job() -> None:
+        started.set()
+        release.wait(5)
+        finished.append(True)
+
+    def broken_stop() -> None:
+        release.set()
+        raise RuntimeError("stop hook failed")
+
+    task = asyncio.ensure_future(in_thread(pool, job, on_cancel=broken_stop))
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    with pytest.raises(RuntimeError, match="stop hook failed"):
+        await task
+    assert finished == [True]  # the job had returned before the error reached the caller

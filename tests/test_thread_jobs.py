@@ -6,8 +6,9 @@ import asyncio
 import functools
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,19 @@ from gateway.thread_jobs import in_thread
 def pool() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(max_workers=1) as executor:
         yield executor
+
+
+async def cancel_when_started(
+    call: Coroutine[Any, Any, Any],
+    started: threading.Event,
+    raises: type[BaseException] = asyncio.CancelledError,
+) -> None:
+    """Run ``call``, cancel it once its job has started, and expect ``raises`` from it."""
+    task = asyncio.ensure_future(call)
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    with pytest.raises(raises):
+        await task
 
 
 async def test_result_and_thread(pool: ThreadPoolExecutor) -> None:
@@ -44,13 +58,9 @@ async def test_cancel_waits_for_the_job_and_asks_it_to_stop(pool: ThreadPoolExec
         finished.append("yes")
         return "result"
 
-    task = asyncio.ensure_future(
-        in_thread(pool, job, on_cancel=stop.set, on_abandon=abandoned.append)
+    await cancel_when_started(
+        in_thread(pool, job, on_cancel=stop.set, on_abandon=abandoned.append), started
     )
-    await asyncio.to_thread(started.wait, 5)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
     # The job had returned before the cancellation reached the caller, and its result was
     # handed over instead of dropped.
     assert finished == ["yes"]
@@ -87,11 +97,7 @@ async def test_failed_job_is_not_abandoned_to_the_hook(pool: ThreadPoolExecutor)
         threading.Event().wait(0.1)
         raise OSError("disk")
 
-    task = asyncio.ensure_future(in_thread(pool, job, on_abandon=abandoned.append))
-    await asyncio.to_thread(started.wait, 5)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_when_started(in_thread(pool, job, on_abandon=abandoned.append), started)
     assert abandoned == []
 
 
@@ -142,12 +148,7 @@ async def test_a_job_failing_after_its_caller_left_is_not_reported_as_unretrieve
         threading.Event().wait(0.05)
         raise OSError("disk full")
 
-    task = asyncio.ensure_future(in_thread(pool, job))
-    await asyncio.to_thread(started.wait, 5)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    del task
+    await cancel_when_started(in_thread(pool, job), started)
     gc.collect()  # asyncio reports unretrieved exceptions when the future is collected
     await asyncio.sleep(0)
     assert reported == []
@@ -166,9 +167,5 @@ async def test_a_failing_on_cancel_still_waits_for_the_job(pool: ThreadPoolExecu
         release.set()
         raise RuntimeError("stop hook failed")
 
-    task = asyncio.ensure_future(in_thread(pool, job, on_cancel=broken_stop))
-    await asyncio.to_thread(started.wait, 5)
-    task.cancel()
-    with pytest.raises(RuntimeError, match="stop hook failed"):
-        await task
+    await cancel_when_started(in_thread(pool, job, on_cancel=broken_stop), started, RuntimeError)
     assert finished == [True]  # the job had returned before the error reached the caller

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from gateway.connector import PLACEMENT
 from gateway.host_memory import anonymous_memory
 
-DIO_ALIGN = 4096  # what O_DIRECT needs of offsets, lengths and addresses on any device
+DIO_ALIGN = PLACEMENT  # what O_DIRECT needs of offsets, lengths and addresses on any device
 
 
 def disk_baseline(
@@ -57,9 +58,10 @@ def disk_baseline(
     put = size * count / (time.perf_counter() - start) / 1e9
     if cold:
         drop_page_cache(paths)
-    bufs = np.ones((slots, size), dtype=np.uint8)  # ones(): every page touched up front
     if direct:  # O_DIRECT reads whole blocks into aligned memory
-        bufs = page_aligned_rows(bufs)
+        bufs = _aligned_rows(slots, size, populate=True)
+    else:
+        bufs = np.ones((slots, size), dtype=np.uint8)  # ones(): every page touched up front
 
     def read(i: int) -> None:
         if direct:
@@ -84,12 +86,18 @@ def page_aligned_rows(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     like the pool of a store with a direct_io tier (``host_memory``): O_DIRECT speed depends
     on it."""
     rows, size = array.shape
-    padded = size + (-size % DIO_ALIGN)
-    memory = anonymous_memory(rows * padded, populate=False, huge_pages=True)
-    out: np.ndarray[Any, Any] = np.frombuffer(memory, dtype=np.uint8)[: rows * padded]
-    out = out.reshape(rows, padded)
+    out = _aligned_rows(rows, size, populate=False)  # the copy below touches every page
     out[:, :size] = array
     return out
+
+
+def _aligned_rows(rows: int, size: int, *, populate: bool) -> np.ndarray[Any, Any]:
+    """Zero-filled rows of ``size`` bytes padded to a block multiple, each starting on a page,
+    in huge pages."""
+    padded = size + (-size % DIO_ALIGN)
+    memory = anonymous_memory(rows * padded, populate=populate, huge_pages=True)
+    out: np.ndarray[Any, Any] = np.frombuffer(memory, dtype=np.uint8)[: rows * padded]
+    return out.reshape(rows, padded)
 
 
 def write_fsynced(path: Path, data: memoryview) -> None:

@@ -34,6 +34,21 @@ async def cancel_when_started(
         await task
 
 
+class GatedJob:
+    """A job that says when it has started, then runs until released (5 s at most)."""
+
+    def __init__(self, result: str = "result") -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        self.finished = 0
+        self.result = result
+
+    def __call__(self) -> str:
+        self.started.set()
+        self.release.wait(5)
+        self.finished += 1
+        return self.result
+
+
 async def test_result_and_thread(pool: ThreadPoolExecutor) -> None:
     caller = threading.get_ident()
     assert await in_thread(pool, lambda: threading.get_ident() != caller)
@@ -48,44 +63,30 @@ async def test_exception_propagates(pool: ThreadPoolExecutor) -> None:
 
 
 async def test_cancel_waits_for_the_job_and_asks_it_to_stop(pool: ThreadPoolExecutor) -> None:
-    started, stop = threading.Event(), threading.Event()
-    finished: list[str] = []
+    job = GatedJob()
     abandoned: list[str] = []
-
-    def job() -> str:
-        started.set()
-        stop.wait(5)
-        finished.append("yes")
-        return "result"
-
     await cancel_when_started(
-        in_thread(pool, job, on_cancel=stop.set, on_abandon=abandoned.append), started
+        in_thread(pool, job, on_cancel=job.release.set, on_abandon=abandoned.append),
+        job.started,
     )
     # The job had returned before the cancellation reached the caller, and its result was
     # handed over instead of dropped.
-    assert finished == ["yes"]
+    assert job.finished == 1
     assert abandoned == ["result"]
 
 
 async def test_repeated_cancels_still_wait(pool: ThreadPoolExecutor) -> None:
-    started, release = threading.Event(), threading.Event()
-    finished: list[bool] = []
-
-    def job() -> None:
-        started.set()
-        release.wait(5)
-        finished.append(True)
-
+    job = GatedJob()
     task = asyncio.ensure_future(in_thread(pool, job))
-    await asyncio.to_thread(started.wait, 5)
+    await asyncio.to_thread(job.started.wait, 5)
     for _ in range(3):
         task.cancel()
         await asyncio.sleep(0.01)
     assert not task.done()  # still waiting for the job, whatever the caller was told
-    release.set()
+    job.release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert finished == [True]
+    assert job.finished == 1
 
 
 async def test_failed_job_is_not_abandoned_to_the_hook(pool: ThreadPoolExecutor) -> None:
@@ -102,16 +103,11 @@ async def test_failed_job_is_not_abandoned_to_the_hook(pool: ThreadPoolExecutor)
 
 
 async def test_cancel_before_start_withdraws_the_job(pool: ThreadPoolExecutor) -> None:
-    busy, release = threading.Event(), threading.Event()
+    block = GatedJob()
     ran: list[bool] = []
     cancelled: list[bool] = []
-
-    def block() -> None:
-        busy.set()
-        release.wait(5)
-
     blocker = asyncio.ensure_future(in_thread(pool, block))
-    await asyncio.to_thread(busy.wait, 5)
+    await asyncio.to_thread(block.started.wait, 5)
     queued = asyncio.ensure_future(
         in_thread(pool, lambda: ran.append(True), on_cancel=lambda: cancelled.append(True))
     )
@@ -119,7 +115,7 @@ async def test_cancel_before_start_withdraws_the_job(pool: ThreadPoolExecutor) -
     queued.cancel()
     with pytest.raises(asyncio.CancelledError):
         await queued  # returns at once: the pool's only thread is still busy
-    release.set()
+    block.release.set()
     await blocker
     assert ran == []
     assert cancelled == []
@@ -155,17 +151,13 @@ async def test_a_job_failing_after_its_caller_left_is_not_reported_as_unretrieve
 
 
 async def test_a_failing_on_cancel_still_waits_for_the_job(pool: ThreadPoolExecutor) -> None:
-    started, release = threading.Event(), threading.Event()
-    finished: list[bool] = []
-
-    def job() -> None:
-        started.set()
-        release.wait(5)
-        finished.append(True)
+    job = GatedJob()
 
     def broken_stop() -> None:
-        release.set()
+        job.release.set()
         raise RuntimeError("stop hook failed")
 
-    await cancel_when_started(in_thread(pool, job, on_cancel=broken_stop), started, RuntimeError)
-    assert finished == [True]  # the job had returned before the error reached the caller
+    await cancel_when_started(
+        in_thread(pool, job, on_cancel=broken_stop), job.started, RuntimeError
+    )
+    assert job.finished == 1  # the job had returned before the error reached the caller

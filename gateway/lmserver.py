@@ -54,6 +54,7 @@ from gateway.lmwire import (
 )
 from gateway.objects import HAS_TORCH, ITEMSIZE, ObjectMeta, to_object_data, torch_dtype
 from gateway.store import Store
+from gateway.transport import stream_transport
 
 log = logging.getLogger("kvgate.lmserver")
 T = TypeVar("T")
@@ -119,8 +120,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
     # -- transport callbacks --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport = stream_transport(transport)
         # Pause as soon as anything is buffered, so that can_write means "buffer empty".
         transport.set_write_buffer_limits(high=0)
         if self.shared.connections >= self.shared.max_connections:

@@ -20,6 +20,9 @@ from connectors.gateway.wire import OPAQUE
 from gateway.errors import CapacityError, ConfigError, Timeout, Unavailable
 from gateway.store import Store
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 torch = pytest.importorskip("torch")
 
 

@@ -21,6 +21,9 @@ from gateway.lmserver import close_lm, serve_lm
 from gateway.lmwire import KEY_BYTES
 from gateway.store import Store
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 torch = pytest.importorskip("torch")
 
 LM_KEY = "llama@1@0@-1f@bfloat16@tp%2"

@@ -33,6 +33,9 @@ from gateway.lmwire import (
 )
 from gateway.store import Store
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 torch = pytest.importorskip("torch")
 
 KEY = "llama@1@0@abc123@bfloat16"

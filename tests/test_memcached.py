@@ -34,6 +34,9 @@ from gateway.parts import Manifest, StripedObjects, parse_head
 from gateway.store import Store
 from gateway.testing import ODD_KEYS, assert_same_bytes, make_bytes
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 KiB = 1 << 10
 _MEMCACHED_KEY = re.compile(rb"[\x21-\x7e]{1,250}")
 

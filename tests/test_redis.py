@@ -35,6 +35,9 @@ from gateway.parts import MalformedValue
 from gateway.store import Store
 from gateway.testing import assert_same_bytes, listed, make_bytes
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 KiB, MiB = 1 << 10, 1 << 20
 SMALL_PARTS = {"part_size": 64 * KiB, "inline_max": 4 * KiB}
 

@@ -26,6 +26,9 @@ from gateway.objects import to_object_data
 from gateway.registry import load_codec
 from gateway.service import create_app
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 FRAME = "application/vnd.kvgate.frame"
 LIMIT = 8 << 20
 

@@ -24,6 +24,9 @@ from typer.testing import CliRunner
 from gateway.cli import app as cli_app
 from gateway.service import create_app
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 TOKEN = "s3cret-t0ken-for-tests"
 
 

@@ -13,6 +13,9 @@ from gateway.byte_budget import ByteBudget
 from gateway.errors import Unavailable
 from gateway.service import create_app
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 MIB = 1 << 20
 
 

@@ -38,6 +38,7 @@ from typing import Any, Literal, TypeVar
 
 from gateway.connector import Allocator
 from gateway.errors import CapacityError, GatewayError, Timeout, Unavailable
+from gateway.transport import stream_transport
 from gateway.types import Buffer
 
 T = TypeVar("T")
@@ -83,8 +84,7 @@ class Connection(asyncio.BufferedProtocol):
     # -- asyncio callbacks ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport = stream_transport(transport)
         transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
 
     def get_buffer(self, sizehint: int) -> memoryview:

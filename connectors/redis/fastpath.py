@@ -54,6 +54,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from connectors.redis.client import Endpoint, RedisClient
 from connectors.redis.resp import Incomplete, ProtocolError, command, parse_reply, set_command
+from gateway.transport import stream_transport
 from gateway.types import Buffer
 
 _SCRATCH = 1024  # reply lines and small replies: `$N\r\n` plus whatever came with it
@@ -103,8 +104,7 @@ class FastConnection(asyncio.BufferedProtocol):
     # -- asyncio callbacks ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport = stream_transport(transport)
         transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
         self.usable = True
 

@@ -9,6 +9,9 @@ from gateway.connector import Connector
 from gateway.errors import ConfigError
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 class TestBlackholeConformance(ConnectorConformance):
     @pytest.fixture

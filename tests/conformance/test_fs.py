@@ -12,6 +12,9 @@ from connectors.fs import FileConnector
 from gateway.connector import Connector
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 class TestFileConformance(ConnectorConformance):
     @pytest.fixture

@@ -15,6 +15,9 @@ from connectors.gateway import GatewayConnector
 from gateway.connector import Connector
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 @pytest.fixture(scope="module")
 def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:

@@ -16,6 +16,9 @@ from gateway.lmserver import close_lm, serve_lm
 from gateway.store import Store
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 @pytest_asyncio.fixture
 async def kvgate_lm_server() -> AsyncIterator[str]:

@@ -14,6 +14,9 @@ from connectors.memcached import MemcachedConnector
 from gateway.connector import Connector
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 class TestMemcachedConformance(ConnectorConformance):
     @pytest.fixture

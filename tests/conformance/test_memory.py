@@ -11,6 +11,9 @@ from gateway.connector import Connector
 from gateway.errors import CapacityError, ConfigError
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 class TestMemoryConformance(ConnectorConformance):
     @pytest.fixture

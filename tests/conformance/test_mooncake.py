@@ -13,6 +13,9 @@ from connectors.mooncake import MooncakeConnector
 from gateway.connector import Connector
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 class TestMooncakeConformance(ConnectorConformance):
     @pytest.fixture

@@ -15,6 +15,9 @@ from connectors.redis import RedisConnector
 from gateway.connector import Connector
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 def _factory(url: str, **options: Any) -> ConnectorFactory:
     async def make() -> Connector:

@@ -16,6 +16,9 @@ from connectors.s3 import S3Connector
 from gateway.connector import Connector
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 class TestS3Conformance(ConnectorConformance):
     @pytest.fixture

@@ -15,6 +15,9 @@ from connectors.valkey import ValkeyConnector
 from gateway.connector import Connector
 from gateway.testing import ConnectorConformance, ConnectorFactory
 
+# Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
+pytestmark = pytest.mark.both_loops
+
 
 def _factory(url: str, **options: object) -> ConnectorFactory:
     namespace = f"kvgate-test-{uuid.uuid4().hex[:8]}:"

@@ -28,7 +28,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from gateway.errors import GatewayError, Unavailable
+from gateway.errors import CircuitOpen, GatewayError, Unavailable
+from gateway.log_limit import RepeatLimiter
 from gateway.memory import Slab
 from gateway.objects import ObjectData, ObjectMeta
 from gateway.tiers import ConnectorTier
@@ -83,6 +84,7 @@ class TierWriter:
         self.stale: set[str] = set()
         self.in_flight = 0
         self.closed = False
+        self.failures = RepeatLimiter()
         self._n_workers = workers
         self._workers: list[asyncio.Task[None]] = []
 
@@ -210,17 +212,30 @@ class TierWriter:
         return await self.write_now(job.key, job.data(), ttl)
 
     async def write_now(self, key: str, data: ObjectData, ttl: float | None) -> bool:
-        """Write to the tier now; a failure is logged and counted, and gives False."""
+        """Write to the tier now; a failure is counted, logged (see ``_log_failure``), and
+        gives False."""
         try:
             await self.tier.write(key, data, ttl)
         except GatewayError as exc:  # counted by the metrics layer
-            log.warning("tier %s: write failed (%s): %s", self.tier.name, exc.kind, exc)
+            self._log_failure(exc)
             return False
         except Exception:
             self.tier.stats.count_error("internal")
             log.exception("tier %s: write failed", self.tier.name)
             return False
         return True
+
+    def _log_failure(self, exc: GatewayError) -> None:
+        """One line for the first failure of a kind, then at most one per interval with the
+        number not logged; refusals of an open breaker are left to the breaker, which logs
+        its transitions with the number of calls it refused."""
+        if isinstance(exc, CircuitOpen):
+            return
+        quiet = self.failures.admit(exc.kind)
+        if quiet is None:
+            return
+        more = f" ({quiet} more such failures since the last line)" if quiet else ""
+        log.warning("tier %s: write failed (%s): %s%s", self.tier.name, exc.kind, exc, more)
 
     def _finish(self, job: WriteJob) -> None:
         if job.done.is_set():
@@ -244,3 +259,5 @@ class TierWriter:
             await self.queue.put(None)
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers = []
+        for kind, n in self.failures.unlogged().items():
+            log.warning("tier %s: %d more write failures (%s) not logged", self.tier.name, n, kind)

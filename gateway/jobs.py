@@ -209,21 +209,21 @@ class TierWriter:
             ttl = job.expires_at - time.time()
             if ttl <= 0:  # expired while queued: nothing to write
                 return False
-        return await self.write_now(job.key, job.data(), ttl)
+        return await self.write_now(job.key, job.data(), ttl) is None
 
-    async def write_now(self, key: str, data: ObjectData, ttl: float | None) -> bool:
-        """Write to the tier now; a failure is counted, logged (see ``_log_failure``), and
-        gives False."""
+    async def write_now(self, key: str, data: ObjectData, ttl: float | None) -> GatewayError | None:
+        """Write to the tier now; a failure is counted, logged (see ``_log_failure``) and
+        returned, so that a durable put can raise it."""
         try:
             await self.tier.write(key, data, ttl)
         except GatewayError as exc:  # counted by the metrics layer
             self._log_failure(exc)
-            return False
-        except Exception:
+            return exc
+        except Exception as exc:
             self.tier.stats.count_error("internal")
             log.exception("tier %s: write failed", self.tier.name)
-            return False
-        return True
+            return GatewayError(f"tier {self.tier.name}: write failed: {exc!r}")
+        return None
 
     def _log_failure(self, exc: GatewayError) -> None:
         """One line for the first failure of a kind, then at most one per interval with the

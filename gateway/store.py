@@ -1,9 +1,11 @@
 """Store: put/get/lookup/prefetch/flush across the ordered tier list.
 
 - put: copy the object once into a pool slab, index it in L1 (when the first tier is a bare
-  ``memory://``), queue frame writes to every lower tier, return. When the pool cannot hold the
-  object (larger than the pool, or full of in-flight data past the wait), the put writes the
-  lower tiers itself from the caller's memory instead: memory stays bounded either way.
+  ``memory://``), queue frame writes to every lower tier, return. A durable put (``durable=True``
+  or ``write_policy: through``) writes the lower tiers itself instead, and returns once they
+  hold the object. When the pool cannot hold the object (larger than the pool, or full of
+  in-flight data past the wait), the put writes the lower tiers itself from the caller's memory:
+  memory stays bounded either way.
 - get: L1, then writes still in flight, then each lower tier in order; the first hit is
   verified, decoded into a slab and promoted into L1. Concurrent gets of one key share one
   fetch. A failing tier is a miss for the caller and a counted error for the operator.
@@ -262,9 +264,21 @@ class Store:
         *,
         fmt: int = MemoryFormat.UNDEFINED,
         ttl: float | None = None,
+        durable: bool = False,
     ) -> None:
-        """Store ``obj`` under ``key`` in every tier (lower tiers asynchronously)."""
+        """Store ``obj`` under ``key`` in every tier.
+
+        Write-back (the default): returns once the first tier holds the object; the lower tiers
+        are written from bounded queues afterwards (``flush`` waits for them). Durable
+        (``durable=True``, or every put under ``write_policy: through``): returns once every
+        lower tier holds the object, and otherwise raises the error of the first tier that
+        failed (the tiers that took it keep it; the others are never read for the key until a
+        later write of it succeeds). A durable put is never skipped by back-pressure. A tier
+        where a newer put or delete of the key superseded the durable write before it ran is
+        not written and is not a failure: the newer operation decides what that tier holds.
+        """
         k = normalize_key(key)
+        durable = durable or self.config.write_policy == "through"
         data = to_object_data(obj, fmt)
         nbytes = data.meta.nbytes
         if nbytes > self.config.max_object_size:
@@ -276,7 +290,7 @@ class Store:
             expires_at = _expiry(ttl, None)
             slab = await self._alloc(nbytes)
             if slab is None:
-                await self._put_direct(k, data, expires_at)
+                await self._put_direct(k, data, expires_at, durable=durable)
                 return
             try:  # the put's own slab reference, released below whatever happens
                 if self._hash_on_copy:
@@ -289,7 +303,11 @@ class Store:
                 if self.l1 is not None:  # first, so that a get during the queue waits sees it
                     l1_expires = _expiry(ttl, self._l1_ttl)
                     self.l1.insert(k, data.meta, slab.acquire(), expires_at=l1_expires)
-                await self._queue_writes(k, data, slab, expires_at)
+                if durable:  # written from the slab, which the put holds until it returns
+                    staged = ObjectData(data.meta, slab.view(), checksum=data.checksum)
+                    await self._write_tiers(k, staged, expires_at, durable=True)
+                else:
+                    await self._queue_writes(k, data, slab, expires_at)
             finally:
                 slab.release()
 
@@ -312,7 +330,9 @@ class Store:
             for writer, job in pairs:  # cancelled: these were never queued
                 writer.abandon(job)
 
-    async def _put_direct(self, key: str, data: ObjectData, expires_at: float | None) -> None:
+    async def _put_direct(
+        self, key: str, data: ObjectData, expires_at: float | None, *, durable: bool
+    ) -> None:
         """Write every lower tier from the caller's memory (object too big for the pool)."""
         if not self.tiers:
             assert self.pool is not None
@@ -321,34 +341,49 @@ class Store:
                 f"({self.pool.capacity} bytes) and there is no lower tier"
             )
         self._invalidate_fetch(key)
-        marks = [w.hold(key) for w in self.writers]  # every tier, before the first await
         if self.l1 is not None:
             self.l1.remove(key)  # an older version must not shadow this one
+        await self._write_tiers(key, data, expires_at, durable=durable)
+
+    async def _write_tiers(
+        self, key: str, data: ObjectData, expires_at: float | None, *, durable: bool
+    ) -> None:
+        """Write ``data`` to every lower tier now, in order with the key's queued writes.
+
+        Raises the first failing tier's error when ``durable``; otherwise only when no tier
+        took the object (a put too big for the pool then has nowhere to be).
+        """
+        marks = [w.hold(key) for w in self.writers]  # every tier, before the first await
         ttl = None if expires_at is None else max(expires_at - time.time(), 0.001)
 
-        async def write(writer: TierWriter, mark: Hold) -> bool:
+        async def write(writer: TierWriter, mark: Hold) -> GatewayError | None:
             ok = False
             try:
                 if not await writer.acquire(key, mark):
-                    return True  # a newer put of the key superseded this one: nothing to do
-                ok = await writer.write_now(key, data, ttl)
-                return ok
+                    return None  # a newer put or delete of the key superseded this one
+                error = await writer.write_now(key, data, ttl)
+                ok = error is None
+                return error
             finally:
                 writer.release(key, mark, ok)
 
         try:
-            results = await asyncio.gather(
+            errors = await asyncio.gather(
                 *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
             )
         finally:  # children cancelled before they ran never reached their own release
             for writer, mark in zip(self.writers, marks, strict=True):
                 writer.release(key, mark, False)
-        if not any(results):
-            raise Unavailable(f"no tier accepted the object of {data.meta.nbytes} bytes")
+        failed = [e for e in errors if e is not None]
+        if failed and (durable or len(failed) == len(errors)):
+            raise failed[0]
 
-    async def put_many(self, items: Iterable[tuple[KeyLike, object]]) -> None:
+    async def put_many(
+        self, items: Iterable[tuple[KeyLike, object]], *, durable: bool = False
+    ) -> None:
+        """``put`` of each item in turn; durable: each returns once every tier holds it."""
         for key, obj in items:
-            await self.put(key, obj)
+            await self.put(key, obj, durable=durable)
 
     # -- get -------------------------------------------------------------------------------
 

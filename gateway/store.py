@@ -45,6 +45,16 @@ log = logging.getLogger("kvgate.store")
 
 DEFAULT_L1_CAPACITY = 2 << 30
 ALLOC_WAIT_POLL = 0.05  # seconds between re-tries while waiting for pool space
+# Why a ``skip`` tier's writes are bounded in bytes too, not only by ``queue_size``: a queue of
+# 64 jobs of 1 MiB pins more than a 64 MiB memory tier, and an L1 entry whose write is queued
+# cannot be evicted. With Redis stalled, every slab ended up pinned, puts found no room, went
+# to the stalled tier directly and failed after its timeout, and not one write was skipped. So
+# the unfinished writes of a skip tier may pin at most this share of the pool (the rest keeps
+# serving recent puts), and a put that still finds no room drops queued writes of skip tiers,
+# oldest first, to free their slabs (``Store._alloc``). A share of the whole pool rather than
+# one per tier: the writes of one put share its slab, so tiers that stall together pin the
+# same slabs.
+SKIP_PIN_SHARE = 0.5
 
 KeyLike = Key | str
 ConfigSource = StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None
@@ -135,6 +145,7 @@ class Store:
                     queue_size=tcfg.queue_size,
                     workers=tcfg.workers,
                     backpressure=tcfg.backpressure,
+                    pin_limit=int(self.pool.capacity * SKIP_PIN_SHARE),
                 )
                 writer.start()
                 self.writers.append(writer)
@@ -229,22 +240,38 @@ class Store:
         assert self.pool is not None
         return self.pool.alloc(nbytes)
 
-    def _writes_in_flight(self) -> bool:
-        return any(w.in_flight for w in self.writers)
+    def _waited_writes_in_flight(self) -> bool:
+        """Whether a ``wait`` tier has unfinished writes (that will free pool space)."""
+        return any(w.in_flight for w in self.writers if w.backpressure == "wait")
+
+    def _skip_queued_write(self) -> bool:
+        """Drop the oldest queued write of a ``skip`` tier, in every skip tier that queued one
+        for the same put, so that its slab can be freed; False when there is none."""
+        for writer in self.writers:
+            job = writer.oldest_queued() if writer.can_skip() else None
+            if job is not None:
+                for other in self.writers:
+                    other.skip_queued(job.slab)
+                return True
+        return False
 
     async def _alloc(self, nbytes: int) -> Slab | None:
-        """A slab, waiting (bounded) for in-flight writes to free space when the pool is full."""
+        """A slab. When the pool is full: first drop queued writes of ``skip`` tiers (see
+        SKIP_PIN_SHARE), then wait (bounded) for writes of ``wait`` tiers to free space."""
         assert self.pool is not None
         if nbytes > self.pool.capacity:
             return None
-        waits = all(w.backpressure == "wait" for w in self.writers)
         deadline = asyncio.get_running_loop().time() + max(
             (t.timeout for t in self.config.tiers), default=5.0
         )
         while True:
             slab = self._alloc_now(nbytes)
-            if slab is not None or not waits or not self._writes_in_flight():
+            if slab is not None:
                 return slab
+            if self._skip_queued_write():
+                continue
+            if not self._waited_writes_in_flight():
+                return None
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return None

@@ -55,8 +55,10 @@ async def until_closed(store: Store, breaker: CircuitBreakerLayer, start: int) -
     return i
 
 
-def assert_a_few_lines(lines: list[str], refused: int) -> None:
-    assert len(lines) <= 6, "\n".join(lines)
+def assert_a_few_lines(lines: list[str], refused: int, most: int) -> None:
+    """``most`` lines: the first failure of each kind, the breaker's open, half-open and closed,
+    and the summary of failures not logged, given at close."""
+    assert len(lines) <= most, "\n".join(lines)
     opened = [m for m in lines if "circuit breaker open" in m]
     closed = [m for m in lines if "circuit breaker closed" in m]
     assert len(opened) == 1, "\n".join(lines)
@@ -76,13 +78,13 @@ async def test_an_outage_is_a_few_log_lines(caplog: pytest.LogCaptureFixture) ->
         breaker = find_layer(store.tiers[0].connector, CircuitBreakerLayer)
         assert breaker is not None
         chaos.down = True
-        n = await put_for(store, 1.5)  # five probes fail in this time, hundreds of writes
+        n = await put_for(store, 1.5)  # five probes fail meanwhile, and hundreds of writes
         chaos.down = False
         n = await until_closed(store, breaker, n)
         refused = store.stats()["memory1"].errors["circuit_open"]
-    assert n > 300
-    assert refused > 300
-    assert_a_few_lines(kvgate_lines(caplog), refused)
+    assert n > 100
+    assert refused > 100
+    assert_a_few_lines(kvgate_lines(caplog), refused, most=5)
 
 
 async def test_a_stalled_redis_is_a_few_log_lines(
@@ -114,8 +116,9 @@ async def test_a_stalled_redis_is_a_few_log_lines(
         refused = store.stats()["redis"].errors["circuit_open"]
     lines = kvgate_lines(caplog)
     print(f"{n} puts, {refused} writes refused, {len(lines)} log lines:", *lines, sep="\n")
-    assert refused > 0
-    assert_a_few_lines(lines, refused)
+    assert refused > 100
+    # A real server may fail in more than one way (timeouts, then a reset connection).
+    assert_a_few_lines(lines, refused, most=8)
 
 
 def test_repeats_of_a_kind_are_counted_into_the_next_line() -> None:

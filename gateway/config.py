@@ -364,7 +364,9 @@ class StoreConfig(_Strict):
     worker thread), so puts copy at memcpy speed from the first one instead of paying a page
     fault per 4 KiB. ``huge_pages`` backs the (unpinned) pool with transparent huge pages;
     ``None`` does so when a tier's options ask for ``direct_io``, whose O_DIRECT reads ran 3x
-    faster into huge pages here (``gateway.host_memory``).
+    faster into huge pages here (``gateway.host_memory``). ``write_policy``: ``back`` (a put
+    returns once the first tier holds the object; lower tiers are written from queues) or
+    ``through`` (every put is durable: it returns once every tier holds the object).
     """
 
     tiers: list[TierConfig] = Field(default_factory=default_tiers, min_length=1)
@@ -376,6 +378,12 @@ class StoreConfig(_Strict):
     prefault: bool = True
     huge_pages: bool | None = None
     max_object_size: ByteSize = Field(default=1 << 30, gt=0)
+    write_policy: Literal["back", "through"] = "back"
+
+    @field_validator("write_policy", mode="before")
+    @classmethod
+    def _lower_write_policy(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
 
     def pool_in_huge_pages(self) -> bool:
         """``huge_pages``, or where it is None, whether some tier uses O_DIRECT."""

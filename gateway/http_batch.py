@@ -21,7 +21,13 @@ from pydantic import BaseModel, Field
 
 from gateway.errors import CapacityError
 from gateway.http_body import FRAMES_TYPE, BadRequest, frame_object, read_body, read_json
-from gateway.http_objects import PartsResponse, frame_parts, stored_object
+from gateway.http_objects import (
+    DURABLE_HEADER,
+    PartsResponse,
+    frame_parts,
+    parse_durable,
+    stored_object,
+)
 from gateway.http_state import MAX_BATCH_KEYS, state_of
 from gateway.types import Buffer
 
@@ -116,9 +122,13 @@ def batch_router() -> APIRouter:
         openapi_extra={"requestBody": {"required": True, "description": __doc__, **_FRAMES}},
         responses={413: {"description": "Body over the limit"}},
     )
-    async def batch_put(request: Request) -> Response:
+    async def batch_put(
+        request: Request,
+        x_kvgate_durable: Annotated[str | None, Header(description=DURABLE_HEADER)] = None,
+    ) -> Response:
         """Store every entry of the body (each a key and its frame), in order."""
         state = state_of(request)
+        durable = parse_durable(x_kvgate_durable)
         body = await read_body(request, state.max_body, state.body_pool, state.body_budget)
         try:
             for i, (key, frame) in enumerate(split_entries(body.view)):
@@ -126,7 +136,7 @@ def batch_router() -> APIRouter:
                     obj, header = await frame_object(frame, state.codecs, state.max_body)
                 except BadRequest as exc:
                     raise BadRequest(f"batch entry {i}: {exc}") from None
-                await state.store.put(key, obj, fmt=header.fmt, ttl=header.ttl)
+                await state.store.put(key, obj, fmt=header.fmt, ttl=header.ttl, durable=durable)
         finally:
             body.release()
         return Response(status_code=204)

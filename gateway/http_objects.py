@@ -37,6 +37,17 @@ from gateway.tiers import INLINE_CODECS, offload
 from gateway.types import Buffer
 
 OCTETS = "application/octet-stream"
+DURABLE_HEADER = "true: answer only once every tier holds the object (default false)"
+
+
+def parse_durable(value: str | None) -> bool:
+    """``x-kvgate-durable``: true or false (1 or 0); absent is false."""
+    if value is None:
+        return False
+    flag = value.strip().lower()
+    if flag not in ("true", "false", "1", "0"):
+        raise BadRequest(f"x-kvgate-durable must be true or false, not {value!r}")
+    return flag in ("true", "1")
 
 
 class PartsResponse(Response):
@@ -148,9 +159,13 @@ def object_router() -> APIRouter:
         x_kvgate_shape: Annotated[Str, Header(description="comma-separated ints")] = None,
         x_kvgate_format: Annotated[Str, Header(description="LMCache memory format")] = None,
         x_kvgate_ttl: Annotated[Str, Header(description="seconds to keep the object")] = None,
+        x_kvgate_durable: Annotated[Str, Header(description=DURABLE_HEADER)] = None,
     ) -> Response:
-        """Store an object (204). Plain bytes or, with the frame media type, a kvgate frame."""
+        """Store an object (204: in the first tier; with x-kvgate-durable: true or the store's
+        write_policy through, in every tier). Plain bytes or, with the frame media type, a
+        kvgate frame."""
         state = state_of(request)
+        durable = parse_durable(x_kvgate_durable)
         ttl = parse_ttl(x_kvgate_ttl)
         fmt = parse_format(x_kvgate_format)
         media = (content_type or OCTETS).partition(";")[0].strip().lower()
@@ -164,7 +179,7 @@ def object_router() -> APIRouter:
                 fmt = header.fmt
             else:
                 obj = object_of(body, x_kvgate_kind, x_kvgate_dtype, x_kvgate_shape)
-            await state.store.put(key, obj, fmt=fmt, ttl=ttl)
+            await state.store.put(key, obj, fmt=fmt, ttl=ttl, durable=durable)
         finally:
             body.release()  # the store copied the object before put returned
         return Response(status_code=204)

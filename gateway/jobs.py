@@ -4,7 +4,9 @@ Each lower tier gets a ``TierWriter``: a bounded ``asyncio.Queue`` of write jobs
 few worker tasks. A job holds a reference to the pool slab with the object's bytes, so memory is
 bounded by the pool however slow the tier is. When the queue is full the tier's back-pressure
 policy applies: ``wait`` (the put waits for room) or ``skip`` (the write is dropped and
-counted).
+counted). A ``skip`` tier's writes in flight also pin at most ``pin_limit`` bytes of the pool,
+and the store may drop its queued writes to free their slabs (``skip_queued``): see
+``Store._alloc`` for why a queue bounded in jobs alone is not enough.
 
 Ordering of one key's writes, whatever the number of workers, rests on one rule: ``latest[key]``
 is the newest write intent, registered before anything waits. A queued job is written only if
@@ -28,7 +30,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from gateway.errors import GatewayError, Unavailable
+from gateway.errors import CircuitOpen, GatewayError, Unavailable
+from gateway.log_limit import RepeatLimiter
 from gateway.memory import Slab
 from gateway.objects import ObjectData, ObjectMeta
 from gateway.tiers import ConnectorTier
@@ -73,16 +76,30 @@ class Hold:
 
 class TierWriter:
     def __init__(
-        self, tier: ConnectorTier, *, queue_size: int, workers: int, backpressure: str
+        self,
+        tier: ConnectorTier,
+        *,
+        queue_size: int,
+        workers: int,
+        backpressure: str,
+        pin_limit: int | None = None,
     ) -> None:
+        """``pin_limit``: with ``skip``, the bytes of pool slabs that this tier's unfinished
+        writes may hold before further writes are skipped (one write is always admitted)."""
         self.tier = tier
         self.backpressure = backpressure
+        self.pin_limit = pin_limit
         self.queue: asyncio.Queue[WriteJob | None] = asyncio.Queue(queue_size)
         self.latest: dict[str, WriteJob | Hold] = {}
         self.running: dict[str, WriteJob | Hold] = {}
         self.stale: set[str] = set()
+        # Queued jobs no worker has taken yet, oldest first: the ones that can still be skipped.
+        # By slab: a put gives each tier one job, with the put's own slab.
+        self.queued: dict[Slab, WriteJob] = {}
         self.in_flight = 0
+        self.pinned = 0  # bytes of the slabs that unfinished jobs hold
         self.closed = False
+        self.failures = RepeatLimiter()
         self._n_workers = workers
         self._workers: list[asyncio.Task[None]] = []
 
@@ -99,7 +116,17 @@ class TierWriter:
         agree on which put is newest, whatever order the queues later take them in.
         """
         self.in_flight += 1
+        self.pinned += job.slab.size
         self.latest[job.key] = job
+
+    def can_skip(self) -> bool:
+        """Whether writes may be dropped now: ``skip``, and the set of keys this tier may hold
+        older versions of is still bounded."""
+        return self.backpressure == "skip" and len(self.stale) < MAX_STALE_KEYS
+
+    def _over_pin_limit(self, job: WriteJob) -> bool:
+        others = self.pinned - job.slab.size
+        return self.pin_limit is not None and others > 0 and self.pinned > self.pin_limit
 
     async def enqueue(self, job: WriteJob) -> bool:
         """Queue a registered job; False when skipped by back-pressure."""
@@ -107,7 +134,9 @@ class TierWriter:
             self.abandon(job)
             raise Unavailable(f"tier {self.tier.name}: the store is closing")
         try:
-            if self.backpressure == "skip" and len(self.stale) < MAX_STALE_KEYS:
+            if self.can_skip():
+                if self._over_pin_limit(job):
+                    raise asyncio.QueueFull
                 self.queue.put_nowait(job)
             else:
                 await self.queue.put(job)
@@ -120,6 +149,21 @@ class TierWriter:
             raise
         finally:
             self.tier.stats.queue_depth = self.queue.qsize()
+        self.queued[job.slab] = job
+        return True
+
+    def oldest_queued(self) -> WriteJob | None:
+        """The oldest job still waiting in the queue (no worker has taken it)."""
+        return next(iter(self.queued.values()), None)
+
+    def skip_queued(self, slab: Slab) -> bool:
+        """Skip (drop and count) the queued job that writes ``slab``, if there is one, so that
+        the slab can be freed; its worker later finds it finished and passes over it."""
+        job = self.queued.get(slab) if self.can_skip() else None
+        if job is None:
+            return False
+        self.tier.stats.skipped_writes += 1
+        self.abandon(job)
         return True
 
     def abandon(self, job: WriteJob) -> None:
@@ -191,6 +235,7 @@ class TierWriter:
             try:
                 if job is None:
                     return
+                self.queued.pop(job.slab, None)
                 if await self._claim(job):
                     ok = await self._write(job)
                     if self.latest.get(job.key) is job:
@@ -207,25 +252,41 @@ class TierWriter:
             ttl = job.expires_at - time.time()
             if ttl <= 0:  # expired while queued: nothing to write
                 return False
-        return await self.write_now(job.key, job.data(), ttl)
+        return await self.write_now(job.key, job.data(), ttl) is None
 
-    async def write_now(self, key: str, data: ObjectData, ttl: float | None) -> bool:
-        """Write to the tier now; a failure is logged and counted, and gives False."""
+    async def write_now(self, key: str, data: ObjectData, ttl: float | None) -> GatewayError | None:
+        """Write to the tier now; a failure is counted, logged (see ``_log_failure``) and
+        returned, so that a durable put can raise it."""
         try:
             await self.tier.write(key, data, ttl)
         except GatewayError as exc:  # counted by the metrics layer
-            log.warning("tier %s: write failed (%s): %s", self.tier.name, exc.kind, exc)
-            return False
-        except Exception:
+            self._log_failure(exc)
+            return exc
+        except Exception as exc:
             self.tier.stats.count_error("internal")
             log.exception("tier %s: write failed", self.tier.name)
-            return False
-        return True
+            return GatewayError(f"tier {self.tier.name}: write failed: {exc!r}")
+        return None
+
+    def _log_failure(self, exc: GatewayError) -> None:
+        """One line for the first failure of a kind, then at most one per interval with the
+        number not logged; refusals of an open breaker are left to the breaker, which logs
+        its transitions with the number of calls it refused."""
+        if isinstance(exc, CircuitOpen):
+            return
+        quiet = self.failures.admit(exc.kind)
+        if quiet is None:
+            return
+        more = f" ({quiet} more such failures since the last line)" if quiet else ""
+        log.warning("tier %s: write failed (%s): %s%s", self.tier.name, exc.kind, exc, more)
 
     def _finish(self, job: WriteJob) -> None:
         if job.done.is_set():
             return
         self.in_flight -= 1
+        self.pinned -= job.slab.size
+        if self.queued.get(job.slab) is job:
+            del self.queued[job.slab]
         job.slab.release()
         job.done.set()
         if self.running.get(job.key) is job:
@@ -244,3 +305,5 @@ class TierWriter:
             await self.queue.put(None)
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers = []
+        for kind, n in self.failures.unlogged().items():
+            log.warning("tier %s: %d more write failures (%s) not logged", self.tier.name, n, kind)

@@ -19,8 +19,10 @@ untouched by every layer.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -29,8 +31,11 @@ from gateway.connector import Allocator, Connector, parts_len
 from gateway.errors import CircuitOpen, ConfigError, GatewayError, Timeout, Unavailable
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo, TierStats
 
+log = logging.getLogger("kvgate.layers")
+
 T = TypeVar("T")
 L = TypeVar("L", bound="Layer")
+WRITE_OPS = frozenset({"put", "put_many"})
 
 BreakerState = Literal["closed", "open", "half_open"]
 
@@ -241,9 +246,16 @@ class CircuitBreakerLayer(Layer):
     operation or a full backend is the caller's or the object's problem, and a miss is not a
     failure at all. ``failures=0`` disables the breaker. ``close`` always goes through, so
     resources are released even while the backend is considered down.
+
+    An outage is a few log lines, not one per refused call: the breaker opening (a warning,
+    with the failure that opened it), the first half-open probe, and the breaker closing again
+    (with how long it was open and how many calls and writes it refused meanwhile). Probes that
+    fail in between are logged at debug level. ``name`` labels the lines (the tier's name).
     """
 
-    def __init__(self, inner: Connector, failures: int, reset_after: float) -> None:
+    def __init__(
+        self, inner: Connector, failures: int, reset_after: float, *, name: str | None = None
+    ) -> None:
         if failures < 0:
             raise ConfigError(f"breaker failures must be >= 0, got {failures!r}")
         if reset_after < 0:
@@ -251,10 +263,15 @@ class CircuitBreakerLayer(Layer):
         super().__init__(inner)
         self.failures = failures
         self.reset_after = reset_after
+        self.name = name
         self._state: BreakerState = "closed"
         self._consecutive = 0
         self._opened_at = 0.0
         self._probing = False  # a half-open probe is in flight
+        # The current outage (from opening until closing again), for its log lines.
+        self._outage_since: float | None = None
+        self._refused: Counter[str] = Counter()  # calls refused, by operation
+        self._probed = False  # the outage's first probe was logged
 
     @property
     def state(self) -> BreakerState:
@@ -278,15 +295,65 @@ class CircuitBreakerLayer(Layer):
         if state == "half_open" and not self._probing:
             self._state = "half_open"
             self._probing = True
+            if not self._probed:
+                self._probed = True
+                log.info(
+                    "%s: circuit breaker half-open, probing with one %s (refused so far: %s)",
+                    self._label(),
+                    op,
+                    self._refusals(),
+                )
             return True
+        self._refused[op] += 1
         wait = max(0.0, self._opened_at + self.reset_after - time.monotonic())
         raise CircuitOpen(f"{self.scheme}:// circuit open, {op} refused (retry in {wait:.2f} s)")
 
-    def _open(self) -> None:
+    def _label(self) -> str:
+        return f"tier {self.name}" if self.name else f"{self.scheme}://"
+
+    def _refusals(self) -> str:
+        total = sum(self._refused.values())
+        writes = sum(n for op, n in self._refused.items() if op in WRITE_OPS)
+        return f"{total} calls ({writes} writes)"
+
+    def _open(self, cause: BaseException) -> None:
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since = now
+            log.warning(
+                "%s: circuit breaker open after %d consecutive failures (last: %s); "
+                "calls fail fast, next probe in %g s",
+                self._label(),
+                self.failures,
+                _describe_error(cause),
+                self.reset_after,
+            )
+        else:
+            log.debug(
+                "%s: probe failed (%s), circuit breaker open again (refused so far: %s)",
+                self._label(),
+                _describe_error(cause),
+                self._refusals(),
+            )
         self._state = "open"
-        self._opened_at = time.monotonic()
+        self._opened_at = now
         self._consecutive = 0
         self._probing = False
+
+    def _close(self) -> None:
+        self._state = "closed"
+        self._probing = False
+        if self._outage_since is not None:
+            log.info(
+                "%s: circuit breaker closed, the backend answers again after %.1f s; "
+                "refused %s while open",
+                self._label(),
+                time.monotonic() - self._outage_since,
+                self._refusals(),
+            )
+        self._outage_since = None
+        self._refused.clear()
+        self._probed = False
 
     async def _call(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
         if self.failures == 0:
@@ -297,19 +364,18 @@ class CircuitBreakerLayer(Layer):
         except BaseException as exc:
             if self.counts_as_failure(exc):
                 if probe:
-                    self._open()
+                    self._open(exc)
                 else:
                     self._consecutive += 1
                     if self._state == "closed" and self._consecutive >= self.failures:
-                        self._open()
+                        self._open(exc)
             elif probe:
                 # The probe told us nothing about health (a bad key, a cancellation):
                 # stay half-open and let the next call probe.
                 self._probing = False
             raise
         if probe:
-            self._state = "closed"
-            self._probing = False
+            self._close()
         self._consecutive = 0
         return result
 
@@ -526,10 +592,16 @@ def build_stack(
     if timeout is not None:
         stack = TimeoutLayer(stack, timeout)
     if breaker is not None and breaker[0] > 0:
-        stack = CircuitBreakerLayer(stack, *breaker)
+        name = stats.name if stats is not None else None
+        stack = CircuitBreakerLayer(stack, *breaker, name=name)
     if stats is not None:
         stack = MetricsLayer(stack, stats)
     return stack
+
+
+def _describe_error(exc: BaseException) -> str:
+    kind = exc.kind if isinstance(exc, GatewayError) else type(exc).__name__
+    return f"{kind}: {exc}"
 
 
 def find_layer(stack: Connector, cls: type[L]) -> L | None:

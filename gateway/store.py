@@ -1,9 +1,11 @@
 """Store: put/get/lookup/prefetch/flush across the ordered tier list.
 
 - put: copy the object once into a pool slab, index it in L1 (when the first tier is a bare
-  ``memory://``), queue frame writes to every lower tier, return. When the pool cannot hold the
-  object (larger than the pool, or full of in-flight data past the wait), the put writes the
-  lower tiers itself from the caller's memory instead: memory stays bounded either way.
+  ``memory://``), queue frame writes to every lower tier, return. A durable put (``durable=True``
+  or ``write_policy: through``) writes the lower tiers itself instead, and returns once they
+  hold the object. When the pool cannot hold the object (larger than the pool, or full of
+  in-flight data past the wait), the put writes the lower tiers itself from the caller's memory:
+  memory stays bounded either way.
 - get: L1, then writes still in flight, then each lower tier in order; the first hit is
   verified, decoded into a slab and promoted into L1. Concurrent gets of one key share one
   fetch. A failing tier is a miss for the caller and a counted error for the operator.
@@ -43,6 +45,16 @@ log = logging.getLogger("kvgate.store")
 
 DEFAULT_L1_CAPACITY = 2 << 30
 ALLOC_WAIT_POLL = 0.05  # seconds between re-tries while waiting for pool space
+# Why a ``skip`` tier's writes are bounded in bytes too, not only by ``queue_size``: a queue of
+# 64 jobs of 1 MiB pins more than a 64 MiB memory tier, and an L1 entry whose write is queued
+# cannot be evicted. With Redis stalled, every slab ended up pinned, puts found no room, went
+# to the stalled tier directly and failed after its timeout, and not one write was skipped. So
+# the unfinished writes of a skip tier may pin at most this share of the pool (the rest keeps
+# serving recent puts), and a put that still finds no room drops queued writes of skip tiers,
+# oldest first, to free their slabs (``Store._alloc``). A share of the whole pool rather than
+# one per tier: the writes of one put share its slab, so tiers that stall together pin the
+# same slabs.
+SKIP_PIN_SHARE = 0.5
 
 KeyLike = Key | str
 ConfigSource = StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None
@@ -133,6 +145,7 @@ class Store:
                     queue_size=tcfg.queue_size,
                     workers=tcfg.workers,
                     backpressure=tcfg.backpressure,
+                    pin_limit=int(self.pool.capacity * SKIP_PIN_SHARE),
                 )
                 writer.start()
                 self.writers.append(writer)
@@ -227,22 +240,38 @@ class Store:
         assert self.pool is not None
         return self.pool.alloc(nbytes)
 
-    def _writes_in_flight(self) -> bool:
-        return any(w.in_flight for w in self.writers)
+    def _waited_writes_in_flight(self) -> bool:
+        """Whether a ``wait`` tier has unfinished writes (that will free pool space)."""
+        return any(w.in_flight for w in self.writers if w.backpressure == "wait")
+
+    def _skip_queued_write(self) -> bool:
+        """Drop the oldest queued write of a ``skip`` tier, in every skip tier that queued one
+        for the same put, so that its slab can be freed; False when there is none."""
+        for writer in self.writers:
+            job = writer.oldest_queued() if writer.can_skip() else None
+            if job is not None:
+                for other in self.writers:
+                    other.skip_queued(job.slab)
+                return True
+        return False
 
     async def _alloc(self, nbytes: int) -> Slab | None:
-        """A slab, waiting (bounded) for in-flight writes to free space when the pool is full."""
+        """A slab. When the pool is full: first drop queued writes of ``skip`` tiers (see
+        SKIP_PIN_SHARE), then wait (bounded) for writes of ``wait`` tiers to free space."""
         assert self.pool is not None
         if nbytes > self.pool.capacity:
             return None
-        waits = all(w.backpressure == "wait" for w in self.writers)
         deadline = asyncio.get_running_loop().time() + max(
             (t.timeout for t in self.config.tiers), default=5.0
         )
         while True:
             slab = self._alloc_now(nbytes)
-            if slab is not None or not waits or not self._writes_in_flight():
+            if slab is not None:
                 return slab
+            if self._skip_queued_write():
+                continue
+            if not self._waited_writes_in_flight():
+                return None
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return None
@@ -262,9 +291,21 @@ class Store:
         *,
         fmt: int = MemoryFormat.UNDEFINED,
         ttl: float | None = None,
+        durable: bool = False,
     ) -> None:
-        """Store ``obj`` under ``key`` in every tier (lower tiers asynchronously)."""
+        """Store ``obj`` under ``key`` in every tier.
+
+        Write-back (the default): returns once the first tier holds the object; the lower tiers
+        are written from bounded queues afterwards (``flush`` waits for them). Durable
+        (``durable=True``, or every put under ``write_policy: through``): returns once every
+        lower tier holds the object, and otherwise raises the error of the first tier that
+        failed (the tiers that took it keep it; the others are never read for the key until a
+        later write of it succeeds). A durable put is never skipped by back-pressure. A tier
+        where a newer put or delete of the key superseded the durable write before it ran is
+        not written and is not a failure: the newer operation decides what that tier holds.
+        """
         k = normalize_key(key)
+        durable = durable or self.config.write_policy == "through"
         data = to_object_data(obj, fmt)
         nbytes = data.meta.nbytes
         if nbytes > self.config.max_object_size:
@@ -276,7 +317,7 @@ class Store:
             expires_at = _expiry(ttl, None)
             slab = await self._alloc(nbytes)
             if slab is None:
-                await self._put_direct(k, data, expires_at)
+                await self._put_direct(k, data, expires_at, durable=durable)
                 return
             try:  # the put's own slab reference, released below whatever happens
                 if self._hash_on_copy:
@@ -289,7 +330,11 @@ class Store:
                 if self.l1 is not None:  # first, so that a get during the queue waits sees it
                     l1_expires = _expiry(ttl, self._l1_ttl)
                     self.l1.insert(k, data.meta, slab.acquire(), expires_at=l1_expires)
-                await self._queue_writes(k, data, slab, expires_at)
+                if durable:  # written from the slab, which the put holds until it returns
+                    staged = ObjectData(data.meta, slab.view(), checksum=data.checksum)
+                    await self._write_tiers(k, staged, expires_at, durable=True)
+                else:
+                    await self._queue_writes(k, data, slab, expires_at)
             finally:
                 slab.release()
 
@@ -312,7 +357,9 @@ class Store:
             for writer, job in pairs:  # cancelled: these were never queued
                 writer.abandon(job)
 
-    async def _put_direct(self, key: str, data: ObjectData, expires_at: float | None) -> None:
+    async def _put_direct(
+        self, key: str, data: ObjectData, expires_at: float | None, *, durable: bool
+    ) -> None:
         """Write every lower tier from the caller's memory (object too big for the pool)."""
         if not self.tiers:
             assert self.pool is not None
@@ -321,34 +368,49 @@ class Store:
                 f"({self.pool.capacity} bytes) and there is no lower tier"
             )
         self._invalidate_fetch(key)
-        marks = [w.hold(key) for w in self.writers]  # every tier, before the first await
         if self.l1 is not None:
             self.l1.remove(key)  # an older version must not shadow this one
+        await self._write_tiers(key, data, expires_at, durable=durable)
+
+    async def _write_tiers(
+        self, key: str, data: ObjectData, expires_at: float | None, *, durable: bool
+    ) -> None:
+        """Write ``data`` to every lower tier now, in order with the key's queued writes.
+
+        Raises the first failing tier's error when ``durable``; otherwise only when no tier
+        took the object (a put too big for the pool then has nowhere to be).
+        """
+        marks = [w.hold(key) for w in self.writers]  # every tier, before the first await
         ttl = None if expires_at is None else max(expires_at - time.time(), 0.001)
 
-        async def write(writer: TierWriter, mark: Hold) -> bool:
+        async def write(writer: TierWriter, mark: Hold) -> GatewayError | None:
             ok = False
             try:
                 if not await writer.acquire(key, mark):
-                    return True  # a newer put of the key superseded this one: nothing to do
-                ok = await writer.write_now(key, data, ttl)
-                return ok
+                    return None  # a newer put or delete of the key superseded this one
+                error = await writer.write_now(key, data, ttl)
+                ok = error is None
+                return error
             finally:
                 writer.release(key, mark, ok)
 
         try:
-            results = await asyncio.gather(
+            errors = await asyncio.gather(
                 *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
             )
         finally:  # children cancelled before they ran never reached their own release
             for writer, mark in zip(self.writers, marks, strict=True):
                 writer.release(key, mark, False)
-        if not any(results):
-            raise Unavailable(f"no tier accepted the object of {data.meta.nbytes} bytes")
+        failed = [e for e in errors if e is not None]
+        if failed and (durable or len(failed) == len(errors)):
+            raise failed[0]
 
-    async def put_many(self, items: Iterable[tuple[KeyLike, object]]) -> None:
+    async def put_many(
+        self, items: Iterable[tuple[KeyLike, object]], *, durable: bool = False
+    ) -> None:
+        """``put`` of each item in turn; durable: each returns once every tier holds it."""
         for key, obj in items:
-            await self.put(key, obj)
+            await self.put(key, obj, durable=durable)
 
     # -- get -------------------------------------------------------------------------------
 

@@ -268,6 +268,19 @@ def test_env_overrides_file(tmp_path: Path) -> None:
     assert cfg.tiers[0].codec_options == {"level": 3}
 
 
+def test_write_policy_from_yaml_and_env(tmp_path: Path) -> None:
+    assert load_config({"tiers": [{"url": "memory://"}]}, env={}).write_policy == "back"
+    path = write_yaml(
+        tmp_path / "c.yaml", {"tiers": [{"url": "memory://"}], "write_policy": "through"}
+    )
+    assert load_config(path, env={}).write_policy == "through"
+    env = {"KVGATE_WRITE_POLICY": "Through"}
+    assert load_config({"tiers": [{"url": "memory://"}]}, env=env).write_policy == "through"
+    msg = config_error({"tiers": [{"url": "memory://"}], "write_policy": "around"})
+    assert "write_policy" in msg
+    assert "'back' or 'through'" in msg
+
+
 def test_kvgate_tiers_replaces_then_nested_refines() -> None:
     env = {
         "KVGATE_TIERS": '[{"url": "memory://", "capacity": "1GiB"}, {"url": "blackhole://"}]',

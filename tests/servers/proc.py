@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -130,6 +130,16 @@ class ServerProcess:
     def kill(self) -> None:
         """SIGKILL the whole process group: the server vanishes mid-request."""
         self._signal(signal.SIGKILL)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The server stalled for the block (SIGSTOP: the kernel still accepts connections,
+        nothing answers), resumed (SIGCONT) when it ends, whatever happens."""
+        self._signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self._signal(signal.SIGCONT)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None:

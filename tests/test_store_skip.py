@@ -1,0 +1,101 @@
+"""``backpressure: skip`` with a stalled lower tier: puts land in the memory tier, the stalled
+tier's writes are skipped and counted, and no put fails or waits for that tier.
+
+The stall is a real one: the Redis server is stopped with SIGSTOP (its socket accepts, nothing
+answers) and resumed with SIGCONT, always, before the test ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from servers.redis import RedisNode
+
+from connectors.memory import MemoryConnector
+from gateway import Store
+from gateway.layers import Layer
+from gateway.types import BufferParts
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+async def test_stalled_redis_with_skip_never_fails_a_put(
+    redis_factory: Callable[..., RedisNode],
+) -> None:
+    node = redis_factory()
+    cfg: dict[str, Any] = {
+        "tiers": [
+            {"url": "memory://", "capacity": 64 * MiB},
+            {
+                "url": node.url,
+                "timeout": 2.0,
+                "backpressure": "skip",
+                "options": {"socket_connect_timeout": 0.5},
+            },
+        ]
+    }
+    async with Store(cfg) as store:
+        assert store.l1 is not None
+        await store.put("warm", b"x")
+        await store.flush()  # connected before the stall
+        assert node.proc is not None
+        with node.proc.paused():
+            # 252 puts of 1 MiB: the queue (64 jobs) alone would pin more than the pool.
+            async with asyncio.timeout(30):  # a put that waited for the stalled tier: 2 s each
+                for i in range(252):
+                    await store.put(f"k{i}", bytes([i]) * MiB)
+            stats = store.stats()["redis"]
+            assert stats.skipped_writes > 0
+            # The memory tier keeps serving the recent puts, not only the ones queued for Redis.
+            recent = [f"k{i}" for i in range(236, 252)]
+            assert all(k in store.l1 for k in recent)
+            assert await store.get("k251") == bytes([251]) * MiB
+        await store.flush()
+
+
+class Gated(Layer):
+    """A real memory connector whose puts wait while ``gate`` is closed."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryConnector.from_url(f"memory://{uuid.uuid4().hex}"))
+        self.gate = asyncio.Event()
+        self.started = 0  # puts that reached the gate
+        self.reached = asyncio.Event()  # set by the first
+
+    async def put(self, key: str, data: BufferParts) -> None:
+        self.started += 1
+        self.reached.set()
+        await self.gate.wait()
+        await self.inner.put(key, data)
+
+
+async def test_queued_writes_of_a_skip_tier_make_room_for_a_put() -> None:
+    lower = Gated()
+    cfg = {
+        "tiers": [
+            {"url": "memory://", "capacity": MiB},
+            {"url": "memory://", "workers": 1, "backpressure": "skip", "timeout": 5.0},
+        ]
+    }
+    async with Store(cfg, connectors={1: lower}) as store:
+        assert store.l1 is not None
+        await store.put("running", b"r" * (300 * KiB))
+        await lower.reached.wait()  # its write is held in the tier: it cannot be dropped
+        await store.put("queued", b"q" * (200 * KiB))  # within the skip tier's share
+        assert store.stats()["memory1"].skipped_writes == 0
+        # The pool has 524 KiB left: the queued write is dropped to make room, not the put
+        # sent to the stalled tier.
+        async with asyncio.timeout(2):
+            await store.put("big", b"b" * (600 * KiB))
+        assert "big" in store.l1
+        # Two skipped: the queued write, and big's own (it would pin more than half the pool
+        # beside the running one).
+        assert store.stats()["memory1"].skipped_writes == 2
+        lower.gate.set()
+        await store.flush()
+        assert set(lower.inner.objects) == {"running"}  # type: ignore[attr-defined]
+        store.l1.remove("queued")
+        assert await store.get("queued") is None  # skipped: never written, never served stale

@@ -44,10 +44,12 @@ def frame_head(
     params: dict[str, ParamValue],
     ttl: float | None = None,
     checksum: int | None = None,
+    key: str | None = None,
 ) -> tuple[bytes, FrameInfo]:
     """The frame head (prefix, header, padding) of an object's encoded payload parts.
 
     ``checksum``: the payload's xxh3_64 when the caller already has it (else it is hashed).
+    ``key``: the key the frame will be stored or sent under (the frame is bound to it).
     """
     return encode_header(
         codec=codec,
@@ -60,15 +62,18 @@ def frame_head(
         params=params,
         ttl=ttl,
         checksum=checksum,
+        key=key,
     )
 
 
-def encode_frame(codec: Codec, obj: ObjectData) -> tuple[bytes, list[memoryview], FrameInfo]:
+def encode_frame(
+    codec: Codec, obj: ObjectData, key: str | None = None
+) -> tuple[bytes, list[memoryview], FrameInfo]:
     """Encode ``obj`` as a tier writes it: the frame head, the payload parts and the header.
 
-    The blob is ``head + b"".join(parts)``; nothing is copied here.
+    The blob is ``head + b"".join(parts)``; nothing is copied here. ``key``: see ``frame_head``.
     """
     payload, params = codec.encode(obj)
     parts = as_parts(payload)
-    head, header = frame_head(codec.name, obj.meta, parts, params)
+    head, header = frame_head(codec.name, obj.meta, parts, params, key=key)
     return head, parts, header

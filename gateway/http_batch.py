@@ -107,7 +107,7 @@ def batch_router() -> APIRouter:
                 parts.append(entry_head(key, MISSING))
                 continue
             data = hit[1]  # holds the object (and its pool lease) while the frame is sent
-            frame, _ = await frame_parts(state, data, x_kvgate_codec, x_kvgate_codec_options)
+            frame, _ = await frame_parts(state, key, data, x_kvgate_codec, x_kvgate_codec_options)
             size = sum(memoryview(p).nbytes for p in frame)
             total += size
             if total > state.max_body:  # the answer is bounded like a request body
@@ -133,7 +133,7 @@ def batch_router() -> APIRouter:
         try:
             for i, (key, frame) in enumerate(split_entries(body.view)):
                 try:
-                    obj, header = await frame_object(frame, state.codecs, state.max_body)
+                    obj, header = await frame_object(frame, state.codecs, state.max_body, key)
                 except BadRequest as exc:
                     raise BadRequest(f"batch entry {i}: {exc}") from None
                 await state.store.put(key, obj, fmt=header.fmt, ttl=header.ttl, durable=durable)

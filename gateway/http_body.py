@@ -31,6 +31,7 @@ from gateway.errors import (
     Unsupported,
 )
 from gateway.frame import FrameHeader, decode_frame, parse_header
+from gateway.keys import normalize_key
 from gateway.memory import BufferPool, Slab
 from gateway.objects import HAS_TORCH, ITEMSIZE, check_meta, to_object
 from gateway.objects import ObjectMeta as Meta
@@ -281,10 +282,10 @@ class Codecs:
 
 
 def _decode_frame_object(
-    blob: memoryview, codecs: Codecs, max_size: int
+    blob: memoryview, codecs: Codecs, max_size: int, key: str
 ) -> tuple[object, FrameHeader]:
     try:
-        header, payload = decode_frame(blob)
+        header, payload = decode_frame(blob, key=key)
         if header.raw_len > max_size:
             raise CapacityError(f"frame claims {header.raw_len} bytes, over {max_size}")
         check_meta(header.kind, header.dtype, tuple(header.shape), header.raw_len)
@@ -299,12 +300,15 @@ def _decode_frame_object(
 
 
 async def frame_object(
-    blob: memoryview, codecs: Codecs, max_size: int
+    blob: memoryview, codecs: Codecs, max_size: int, key: str
 ) -> tuple[object, FrameHeader]:
-    """Verify and decode a frame a client sent (off the event loop when large or slow)."""
+    """Verify and decode a frame a client sent for ``key`` (off the event loop when large or
+    slow); a frame bound to another key is refused."""
     try:
         codec = parse_header(blob)[0].codec
     except CorruptObject as exc:
         raise BadRequest(f"bad frame: {exc}") from None
     slow = codec not in INLINE_CODECS  # may compile kernels on first use: never inline
-    return await offload(blob.nbytes, _decode_frame_object, blob, codecs, max_size, device=slow)
+    return await offload(
+        blob.nbytes, _decode_frame_object, blob, codecs, max_size, normalize_key(key), device=slow
+    )

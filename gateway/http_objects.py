@@ -31,6 +31,7 @@ from gateway.http_body import (
     read_json,
 )
 from gateway.http_state import MAX_LOOKUP_KEYS, ServiceState, state_of
+from gateway.keys import normalize_key
 from gateway.objects import ObjectData, to_object_data
 from gateway.store import Store
 from gateway.tiers import INLINE_CODECS, offload
@@ -85,12 +86,14 @@ def wants_frame(accept: str | None) -> bool:
 
 
 async def frame_parts(
-    state: ServiceState, data: ObjectData, codec: str | None, options: str | None
+    state: ServiceState, key: str, data: ObjectData, codec: str | None, options: str | None
 ) -> tuple[list[Buffer], dict[str, str]]:
-    """The frame of ``data`` encoded with the named codec: head and payload parts."""
+    """The frame of ``data`` encoded with the named codec, bound to ``key``: head and payload
+    parts."""
     chosen = state.codecs.get(codec or "raw", options)
     slow = chosen.name not in INLINE_CODECS or not data.on_host
-    head, parts, _ = await offload(data.meta.nbytes, encode_frame, chosen, data, device=slow)
+    bound = normalize_key(key)
+    head, parts, _ = await offload(data.meta.nbytes, encode_frame, chosen, data, bound, device=slow)
     return [head, *parts], {"x-kvgate-codec": chosen.name}
 
 
@@ -174,7 +177,7 @@ def object_router() -> APIRouter:
         body: Body = await read_body(request, state.max_body, state.body_pool, state.body_budget)
         try:
             if media == FRAME_TYPE:
-                obj, header = await frame_object(body.view, state.codecs, state.max_body)
+                obj, header = await frame_object(body.view, state.codecs, state.max_body, key)
                 ttl = ttl if ttl is not None else header.ttl
                 fmt = header.fmt
             else:
@@ -200,7 +203,9 @@ def object_router() -> APIRouter:
         obj, data = found
         headers = meta_headers(data.meta)
         if wants_frame(accept):
-            parts, more = await frame_parts(state, data, x_kvgate_codec, x_kvgate_codec_options)
+            parts, more = await frame_parts(
+                state, key, data, x_kvgate_codec, x_kvgate_codec_options
+            )
             return PartsResponse(parts, media_type=FRAME_TYPE, headers=headers | more, keep=obj)
         raw = await offload(data.meta.nbytes, data.host, device=not data.on_host)
         return PartsResponse([raw], media_type=OCTETS, headers=headers, keep=obj)

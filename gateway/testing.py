@@ -481,6 +481,35 @@ class ConnectorConformance:
                 else:
                     assert_same_bytes(got, obj)  # type: ignore[arg-type]
 
+    async def test_store_serves_values_swapped_between_keys_as_misses(
+        self, connector_factory: ConnectorFactory, prefix: str
+    ) -> None:
+        """A value moved to another key in the backend is that key's miss, never its object.
+
+        The bytes are intact (their checksums pass): only the frame's binding to the key it was
+        written under tells them apart. Put back under their own keys, they are served again.
+        """
+        store, conn = await self._store_on(connector_factory)
+        a, b = f"{prefix}swap-a", f"{prefix}swap-b"
+        value_a, value_b = make_bytes(48 * 1024, 11), make_bytes(48 * 1024, 12)
+        async with store:
+            await store.put(a, value_a)
+            await store.put(b, value_b)
+            await store.flush()
+            blob_a = bytes(memoryview(await conn.get(a) or b"").cast("B"))
+            blob_b = bytes(memoryview(await conn.get(b) or b"").cast("B"))
+            assert blob_a and blob_b, "the store wrote nothing"
+            await conn.put(a, blob_b)
+            await conn.put(b, blob_a)
+            assert await store.get(a) is None
+            assert await store.get(b) is None
+            stats = next(iter(store.stats().values()))
+            assert stats.corrupt == 2
+            await conn.put(a, blob_a)  # each value under its own key again: served
+            await conn.put(b, blob_b)
+            assert_same_bytes(await store.get(a), value_a, "a, moved back")
+            assert_same_bytes(await store.get(b), value_b, "b, moved back")
+
     async def test_store_serves_corrupted_bytes_as_a_counted_miss(
         self, connector_factory: ConnectorFactory, prefix: str
     ) -> None:

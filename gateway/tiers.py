@@ -252,6 +252,7 @@ class ConnectorTier:
             params,
             self.ttl if ttl is None else ttl,
             checksum,
+            key,
         )
         await self.connector.put(key, [head, *parts])
 
@@ -285,9 +286,11 @@ class ConnectorTier:
             size = memoryview(blob).nbytes
             digest = alloc_frame.digest(blob)
             if digest is not None:  # hashed while it was read: the rest is a header check
-                header, payload = decode_frame(blob, digest=digest)
+                header, payload = decode_frame(blob, digest=digest, key=key)
             else:
-                header, payload = await offload(size, decode_frame, blob)
+                header, payload = await offload(
+                    size, functools.partial(decode_frame, key=key), blob
+                )
             if header.raw_len > max_size:
                 raise CorruptObject(f"frame claims {header.raw_len} bytes, over {max_size}")
             meta = _meta_of(header)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import struct
 
+import msgspec
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import CorruptObject
-from gateway.frame import ALIGN, decode_frame, encode_header, parse_header
+from gateway.frame import ALIGN, decode_frame, encode_header, key_digest, parse_header
 
 
 def make_frame(payload: bytes, **kw: object) -> bytes:
@@ -102,3 +105,62 @@ def test_any_splice_is_rejected_or_identical(junk: bytes, pos: int, drop: int) -
 def test_arbitrary_bytes_never_crash(blob: bytes) -> None:
     with contextlib.suppress(CorruptObject):
         decode_frame(blob)
+
+
+# -- binding to keys --------------------------------------------------------------------------
+
+
+def test_a_frame_is_bound_to_its_key() -> None:
+    frame = make_frame(b"payload", key="model@1@0@1a@half")
+    header, body = decode_frame(frame, key="model@1@0@1a@half")
+    assert bytes(body) == b"payload"
+    assert header.key_hash == key_digest("model@1@0@1a@half")
+    for other in ("model@1@0@1b@half", "", "model@1@0@1a@half "):
+        with pytest.raises(CorruptObject, match="another key"):
+            decode_frame(frame, key=other)
+    decode_frame(frame)  # a reader that does not know the key checks the rest
+
+
+def test_keys_with_lone_surrogates_bind_too() -> None:
+    frame = make_frame(b"x", key="odd-\udc80")
+    decode_frame(frame, key="odd-\udc80")
+    with pytest.raises(CorruptObject):
+        decode_frame(frame, key="odd-\udc81")
+
+
+def _version_1_frame(payload: bytes) -> bytes:
+    """A frame as kvgate wrote it before keys were bound: version 1, no key_hash field."""
+    fields = {
+        "codec": "raw",
+        "kind": "bytes",
+        "dtype": "uint8",
+        "shape": [len(payload)],
+        "raw_len": len(payload),
+        "payload_len": len(payload),
+        "checksum": xxhash.xxh3_64_intdigest(payload),
+        "fmt": 0,
+        "params": {},
+        "created_at": 1.0,
+        "ttl": None,
+    }
+    body = msgspec.msgpack.encode(fields)
+    start = struct.pack("<4sBBHI", b"KVGF", 1, 0, 0, len(body))
+    head = start + struct.pack("<I", xxhash.xxh32_intdigest(start + body)) + body
+    return head + bytes(-len(head) % ALIGN) + payload
+
+
+def test_version_1_frames_are_still_read_unbound() -> None:
+    frame = _version_1_frame(b"written by kvgate 0.1")
+    header, body = decode_frame(frame, key="any key")
+    assert bytes(body) == b"written by kvgate 0.1"
+    assert header.key_hash is None
+
+
+def test_a_version_1_frame_claiming_a_key_is_corrupt() -> None:
+    bound = make_frame(b"abc", key="k")
+    header_len = struct.unpack_from("<I", bound, 8)[0]
+    start = struct.pack("<4sBBHI", b"KVGF", 1, 0, 0, header_len)
+    body = bound[16 : 16 + header_len]
+    forged = start + struct.pack("<I", xxhash.xxh32_intdigest(start + body)) + bound[16:]
+    with pytest.raises(CorruptObject, match="version 1"):
+        decode_frame(forged, key="k")

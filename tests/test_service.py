@@ -167,10 +167,16 @@ async def test_kivi_frame_get_crosses_compressed(
     raw = load_codec("kivi").decode(payload, header, None)
     back = torch.frombuffer(bytearray(raw), dtype=torch.float16).reshape(kv.shape)
     assert ((back.float() - kv.float()).norm() / kv.float().norm()).item() < 0.2
-    # The frame goes back in as is: the gateway:// connector's round trip.
-    r = await client.put("/v1/objects/kv2", content=r.content, headers={"content-type": FRAME})
+    # The frame goes back in as is under its own key: the gateway:// connector's round trip.
+    frame = r.content
+    r = await client.put("/v1/objects/kv", content=frame, headers={"content-type": FRAME})
     assert r.status_code == 204
-    assert (await client.get("/v1/objects/kv2")).content == bytes(raw)
+    assert (await client.get("/v1/objects/kv")).content == bytes(raw)
+    # It is bound to that key: under another one it is refused, and nothing is stored.
+    r = await client.put("/v1/objects/kv2", content=frame, headers={"content-type": FRAME})
+    assert r.status_code == 400
+    assert "another key" in r.json()["detail"]
+    assert (await client.get("/v1/objects/kv2")).status_code == 404
 
 
 async def test_codec_errors_are_the_clients(client: httpx.AsyncClient) -> None:

@@ -28,6 +28,7 @@ from gateway.errors import (
     CorruptObject,
     GatewayError,
     InvalidKey,
+    InvalidObject,
     NotFound,
     Timeout,
     Unavailable,
@@ -51,6 +52,7 @@ log = logging.getLogger("kvgate.service")
 STATUS: list[tuple[type[GatewayError], int]] = [
     (BadRequest, 400),
     (InvalidKey, 400),
+    (InvalidObject, 400),
     (ConfigError, 400),
     (Unauthorized, 401),
     (NotFound, 404),

@@ -33,6 +33,7 @@ from gateway.jobs import Hold, TierWriter, WriteJob
 from gateway.keys import Key, normalize_key
 from gateway.layers import build_stack
 from gateway.memory import BufferPool, Slab
+from gateway.object_meta import check_ttl
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
 from gateway.registry import connect, load_codec, scheme_of
@@ -266,6 +267,7 @@ class Store:
         """Store ``obj`` under ``key`` in every tier (lower tiers asynchronously)."""
         k = normalize_key(key)
         data = to_object_data(obj, fmt)
+        ttl = check_ttl(ttl)
         nbytes = data.meta.nbytes
         if nbytes > self.config.max_object_size:
             raise CapacityError(

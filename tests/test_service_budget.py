@@ -10,10 +10,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from starlette.types import Message, Receive, Scope, Send
 from test_service import _raw_request, _read_status, serve, store_config
 
 from gateway.byte_budget import ByteBudget
 from gateway.errors import Unavailable
+from gateway.http_pace import BodyPace, BodyTimeout
 from gateway.service import create_app
 
 MIB = 1 << 20
@@ -133,3 +135,36 @@ async def test_a_trickling_body_is_cut_off_by_the_minimum_rate(tmp_path: Path) -
             assert (await client.get("/v1/objects/slow")).status_code == 404
             # A body that arrives at once is not affected.
             assert (await client.put("/v1/objects/slow", content=b"y" * MIB)).status_code == 204
+
+
+async def test_body_pace_moves_its_deadline_with_each_piece_and_leaves_other_cancels() -> None:
+    """The middleware alone, on an ASGI app that reads a body piece by piece."""
+    pieces: asyncio.Queue[Message] = asyncio.Queue()
+    read: list[bytes] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            read.append(message["body"])
+            if not message["more_body"]:
+                return
+
+    async def never_send(message: Message) -> None:
+        raise AssertionError("nothing is sent")
+
+    paced = BodyPace(app, idle=0.3, min_rate=0)
+    scope: Scope = {"type": "http"}
+    call = asyncio.create_task(paced(scope, pieces.get, never_send))
+    for _ in range(8):  # 0.8 s of pieces 0.1 s apart: longer than the idle limit in total
+        pieces.put_nowait({"type": "http.request", "body": b"x", "more_body": True})
+        await asyncio.sleep(0.1)
+    assert not call.done()
+    with pytest.raises(BodyTimeout, match="stalled"):
+        await call  # then nothing for 0.3 s
+    assert read == [b"x"] * 8
+    # A cancel that is not the timer's stays a cancel (a server shutting down, say).
+    call = asyncio.create_task(BodyPace(app, idle=5, min_rate=0)(scope, pieces.get, never_send))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call

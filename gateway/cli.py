@@ -349,6 +349,12 @@ def serve(
         int | None, typer.Option(help="also serve LMCache's lm:// protocol on this port")
     ] = None,
     max_body: Annotated[str, typer.Option(help="largest request body")] = "1GiB",
+    body_timeout: Annotated[
+        float, typer.Option(min=0.001, help="seconds a request body may stall (then 408)")
+    ] = 20.0,
+    body_min_rate: Annotated[
+        str, typer.Option(help="bytes/s a body must average after --body-timeout s (0: any)")
+    ] = "1MiB",
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
     """Serve a Store over HTTP (object API, batch, lookup, tiers, metrics) and optionally lm://."""
@@ -384,7 +390,13 @@ def serve(
         err=True, message=f"kvgate serving on http://{host}:{port}{lm}; {auth}; tiers: {tiers}"
     )
     application = create_app(
-        cfg, token=token, max_body=parse_size(max_body), lm_host=host, lm_port=lm_port
+        cfg,
+        token=token,
+        max_body=parse_size(max_body),
+        body_timeout=body_timeout,
+        body_min_rate=parse_size(body_min_rate),
+        lm_host=host,
+        lm_port=lm_port,
     )
     # uvloop and httptools when installed ("auto"); the plain asyncio loop and h11 otherwise.
     uvicorn.run(application, host=host, port=port, log_level=log_level, loop="auto", http="auto")

@@ -39,6 +39,14 @@ class InvalidKey(GatewayError, ValueError):
     kind = "invalid_key"
 
 
+class InvalidObject(GatewayError, ValueError):
+    """An object's description is out of what every tier can store: a shape whose bytes do not
+    fit int64 or do not match the data, too many dimensions, an unknown memory format, a TTL
+    that is not a finite positive number of seconds (see ``gateway.object_meta``)."""
+
+    kind = "invalid_object"
+
+
 class Unavailable(GatewayError):
     """A backend is temporarily unreachable or refused the call; retrying may succeed."""
 

@@ -9,15 +9,16 @@ torch is optional: without it, ndarray and bytes-like objects still work.
 from __future__ import annotations
 
 import importlib.util
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
 from gateway.errors import Unsupported
-from gateway.types import BYTE_KINDS, Buffer, MemoryFormat, ObjectKind
+from gateway.object_meta import ITEMSIZE as ITEMSIZE  # re-exported: where callers find them
+from gateway.object_meta import ObjectMeta as ObjectMeta
+from gateway.object_meta import check_format, check_meta, numpy_dtype
+from gateway.types import Buffer, MemoryFormat
 
 if TYPE_CHECKING:
     import torch
@@ -26,38 +27,6 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 HASH_STEP = 256 << 10  # fits the L2 cache with room
 COPIED_KINDS = ("bytes", "bytearray")
 """Kinds that own their bytes: ``to_object`` copies them out of the buffer it is given."""
-
-# Canonical dtype names (torch's, without the "torch." prefix) and their sizes in bytes.
-ITEMSIZE: dict[str, int] = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "complex64": 8,
-    "complex128": 16,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectMeta:
-    kind: ObjectKind
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    fmt: int = MemoryFormat.UNDEFINED
 
 
 def _torch() -> Any:
@@ -110,7 +79,8 @@ class ObjectData:
             return True
         if self._array is not None:
             return bool(self._array.flags.c_contiguous)
-        return self.on_host and bool(self.tensor.is_contiguous())
+        t = self.tensor
+        return self.on_host and bool(t.is_contiguous()) and not (t.is_conj() or t.is_neg())
 
     @property
     def on_host(self) -> bool:
@@ -125,7 +95,8 @@ class ObjectData:
             t = self.tensor.detach()
             if t.device.type != "cpu":
                 t = t.cpu()
-            t = t.contiguous().reshape(-1).view(_torch().uint8)
+            # A conjugate or negative view cannot be viewed as bytes: its values are made first.
+            t = t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(_torch().uint8)
             self._host = t.numpy().data.cast("B")
         return self._host
 
@@ -136,7 +107,7 @@ class ObjectData:
         if self.tensor is not None:
             torch = _torch()
             out = torch.from_numpy(np.frombuffer(dst, dtype=np.uint8))
-            src = self.tensor.detach()
+            src = self.tensor.detach().resolve_conj().resolve_neg()  # no-ops unless views
             if not src.is_contiguous():
                 src = src.contiguous()
             out.copy_(src.reshape(-1).view(torch.uint8))
@@ -168,7 +139,18 @@ class ObjectData:
 
 
 def to_object_data(obj: object, fmt: int = MemoryFormat.UNDEFINED) -> ObjectData:
-    """Describe a user object; raises ``Unsupported`` for anything but the supported kinds."""
+    """Describe a user object, checked like every object (``check_meta``).
+
+    ``Unsupported`` for anything but the supported kinds (and for tensors without dense data
+    on a real device); ``InvalidObject`` for a shape, format or size out of kvgate's limits.
+    """
+    data = _describe(obj, check_format(fmt))
+    meta = data.meta
+    check_meta(meta.kind, meta.dtype, meta.shape, meta.nbytes, meta.fmt)
+    return data
+
+
+def _describe(obj: object, fmt: int) -> ObjectData:
     if isinstance(obj, bytes):
         return ObjectData(ObjectMeta("bytes", "uint8", (len(obj),), len(obj), fmt), memoryview(obj))
     if isinstance(obj, bytearray):
@@ -203,39 +185,19 @@ def _ndarray_data(arr: np.ndarray[Any, Any], fmt: int) -> ObjectData:
 
 
 def _tensor_data(t: torch.Tensor, fmt: int) -> ObjectData:
+    # Checked before anything reads its shape or bytes: torch raises NotImplementedError or
+    # RuntimeError from deep inside a copy for these.
+    if t.is_nested:
+        raise Unsupported("a nested tensor has no single shape: store its tensors one by one")
+    if t.layout != _torch().strided:
+        raise Unsupported(f"a {t.layout} tensor: only dense tensors can be stored (.to_dense())")
+    if t.device.type == "meta":
+        raise Unsupported("a tensor on the meta device has no data to store")
     name = str(t.dtype).removeprefix("torch.")
     if name not in ITEMSIZE:
         raise Unsupported(f"torch dtype {t.dtype} is not supported")
     meta = ObjectMeta("tensor", name, tuple(t.shape), t.numel() * t.element_size(), fmt)
     return ObjectData(meta, None, t)
-
-
-MAX_DIMS = 32  # numpy 1.x's limit; no KV layout comes close
-
-
-def check_meta(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
-    """Raise ``ValueError`` unless the metadata can describe ``nbytes`` bytes of ``kind``.
-
-    Metadata read back from a backend goes through this before any object is built, so a
-    hostile header cannot produce an object of another kind, an exotic numpy dtype or a crash.
-    """
-    itemsize = ITEMSIZE.get(dtype)
-    if itemsize is None:
-        raise ValueError(f"unknown dtype {dtype!r}")
-    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-        raise ValueError(f"bad shape {shape}")
-    if kind in BYTE_KINDS:
-        if dtype != "uint8" or len(shape) != 1:
-            raise ValueError(f"{kind} objects are 1-D uint8, not {dtype} {shape}")
-    elif kind == "ndarray":
-        try:
-            np.dtype(dtype)
-        except TypeError:
-            raise ValueError(f"numpy has no dtype {dtype!r}") from None
-    elif kind != "tensor":
-        raise ValueError(f"unknown object kind {kind!r}")
-    if math.prod(shape) * itemsize != nbytes:
-        raise ValueError(f"shape {shape} of {dtype} does not match {nbytes} bytes")
 
 
 def to_object(meta: ObjectMeta, buf: Buffer) -> object:
@@ -252,7 +214,7 @@ def to_object(meta: ObjectMeta, buf: Buffer) -> object:
     if kind == "memoryview":
         return view
     if kind == "ndarray":
-        arr = np.frombuffer(view, dtype=np.dtype(meta.dtype))
+        arr = np.frombuffer(view, dtype=numpy_dtype(meta.dtype))
         return arr.reshape(meta.shape)
     if kind == "tensor":
         torch = _torch()

@@ -28,6 +28,7 @@ from gateway.errors import (
     CorruptObject,
     GatewayError,
     InvalidKey,
+    InvalidObject,
     NotFound,
     Timeout,
     Unavailable,
@@ -37,7 +38,9 @@ from gateway.http_admin import admin_router, health_router
 from gateway.http_batch import batch_router
 from gateway.http_body import BadRequest
 from gateway.http_keys import keys_router
+from gateway.http_log import redact_access_log
 from gateway.http_objects import object_router
+from gateway.http_pace import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT, BodyPace, BodyTimeout
 from gateway.http_state import DEFAULT_BODY_POOL, DEFAULT_MAX_BODY, ServiceState
 from gateway.memory import BufferPool
 from gateway.prometheus import metrics_registry
@@ -51,9 +54,11 @@ log = logging.getLogger("kvgate.service")
 STATUS: list[tuple[type[GatewayError], int]] = [
     (BadRequest, 400),
     (InvalidKey, 400),
+    (InvalidObject, 400),
     (ConfigError, 400),
     (Unauthorized, 401),
     (NotFound, 404),
+    (BodyTimeout, 408),
     (CapacityError, 413),
     (Unsupported, 415),
     (CorruptObject, 502),
@@ -69,6 +74,8 @@ def status_of(exc: GatewayError) -> int:
 
 def error_response(kind: str, detail: str, status: int) -> JSONResponse:
     headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    if status == 408:  # the rest of the body may still come: it must not read as a request
+        headers = {"connection": "close"}
     return JSONResponse({"error": kind, "detail": detail}, status_code=status, headers=headers)
 
 
@@ -105,6 +112,8 @@ def create_app(
     body_pool: int = DEFAULT_BODY_POOL,
     body_budget: int | None = None,
     budget_wait: float = 30.0,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    body_min_rate: int = DEFAULT_BODY_MIN_RATE,
     lm_host: str = "127.0.0.1",
     lm_port: int | None = None,
 ) -> FastAPI:
@@ -114,8 +123,10 @@ def create_app(
     endpoints and the OpenAPI document. ``max_body``: the largest request body (413 past it).
     ``body_pool``: bytes kept prefaulted for request bodies. ``body_budget``: bytes all
     request bodies may hold at once (default twice ``max_body``); past it a request waits up to
-    ``budget_wait`` seconds, then gets 503. ``lm_port``: also serve LMCache's lm:// protocol
-    there, on the same Store.
+    ``budget_wait`` seconds, then gets 503. ``body_timeout``: seconds a request body may stall
+    before the request fails with 408; ``body_min_rate``: bytes per second a body must average
+    after its first ``body_timeout`` seconds (0: any rate). ``lm_port``: also serve LMCache's
+    lm:// protocol there, on the same Store.
     """
     state = ServiceState(Store(config), max_body=max_body, body_pool_size=body_pool)
     state.body_budget = ByteBudget(body_budget or 2 * max_body, budget_wait)
@@ -147,6 +158,8 @@ def create_app(
     app.state.kvgate = state
     app.state.metrics = metrics_registry(state.store)
     _add_error_handlers(app)
+    app.add_middleware(BodyPace, idle=body_timeout, min_rate=body_min_rate)
+    redact_access_log()  # a token a client put in a query string never reaches the log
     guarded = [Depends(token_guard(token))] if token is not None else []
     app.include_router(health_router())
     for router in (object_router(), keys_router(), batch_router(), admin_router()):

@@ -35,6 +35,7 @@ from gateway.jobs import Hold, TierWriter, WriteJob
 from gateway.keys import Key, normalize_key
 from gateway.layers import build_stack
 from gateway.memory import BufferPool, Slab
+from gateway.object_meta import check_ttl
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
 from gateway.registry import connect, load_codec, scheme_of
@@ -307,6 +308,7 @@ class Store:
         k = normalize_key(key)
         durable = durable or self.config.write_policy == "through"
         data = to_object_data(obj, fmt)
+        ttl = check_ttl(ttl)
         nbytes = data.meta.nbytes
         if nbytes > self.config.max_object_size:
             raise CapacityError(

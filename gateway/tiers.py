@@ -20,15 +20,23 @@ from typing import Any, TypeVar
 
 from gateway.codec import Codec, frame_head
 from gateway.connector import PLACEMENT, Connector, address_of, as_parts
-from gateway.errors import CapacityError, CorruptObject, GatewayError
+from gateway.errors import (
+    CapacityError,
+    CorruptObject,
+    GatewayError,
+    InvalidObject,
+    MissingDependency,
+    Unsupported,
+)
 from gateway.frame import FrameHeader, decode_frame
 from gateway.frame_check import StreamingChecksum
 from gateway.memory import BufferPool, Slab
-from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, check_meta, to_object
+from gateway.object_meta import meta_of_frame
+from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object
 from gateway.policies import EvictionPolicy
 from gateway.registry import load_codec
 from gateway.thread_jobs import in_thread
-from gateway.types import OBJECT_KINDS, Buffer, TierStats
+from gateway.types import Buffer, TierStats
 
 log = logging.getLogger("kvgate.tiers")
 
@@ -419,10 +427,11 @@ def _same_memory(a: Buffer, b: memoryview) -> bool:
 
 
 def _meta_of(header: FrameHeader) -> ObjectMeta:
+    # What no put can have written is corrupt. A dtype that only this process lacks (bfloat16
+    # ndarrays without ml_dtypes) propagates instead: the object stays for one that has it.
     try:
-        check_meta(header.kind, header.dtype, tuple(header.shape), header.raw_len)
-    except (ValueError, GatewayError) as exc:
+        return meta_of_frame(header)
+    except MissingDependency:
+        raise
+    except (InvalidObject, Unsupported) as exc:
         raise CorruptObject(f"frame header does not describe its object: {exc}") from None
-    if header.kind not in OBJECT_KINDS:
-        raise CorruptObject(f"unknown object kind {header.kind!r}")
-    return ObjectMeta(header.kind, header.dtype, tuple(header.shape), header.raw_len, header.fmt)

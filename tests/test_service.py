@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers.proc import free_port
 
 from gateway.codec import encode_frame
-from gateway.frame import decode_frame
+from gateway.frame import decode_frame, encode_header
 from gateway.objects import to_object_data
 from gateway.registry import load_codec
 from gateway.service import create_app
@@ -225,6 +225,54 @@ async def test_malformed_keys_and_headers_are_400(client: httpx.AsyncClient) -> 
     assert r.status_code == 400
     r = await client.post("/v1/nope")
     assert (r.status_code, r.json()["error"]) == (404, "not_found")
+
+
+def _frame(**fields: Any) -> bytes:
+    base: dict[str, Any] = {"codec": "raw", "kind": "tensor", "dtype": "uint8", "shape": [2]}
+    base |= {"raw_len": 2, "payload": b"ab"} | fields
+    head, _ = encode_header(**base)
+    return head + bytes(base["payload"])
+
+
+async def test_object_headers_and_frames_out_of_the_limits_are_4xx(
+    client: httpx.AsyncClient,
+) -> None:
+    """Every object is checked as a put from Python is: never a 500, never a 204 for an
+    object that a lower tier would refuse."""
+    ones70 = ",".join(["1"] * 70)
+    cases: list[tuple[dict[str, str], bytes, int]] = [
+        ({"x-kvgate-dtype": "float16", "x-kvgate-shape": "9223372036854775808,0"}, b"", 400),
+        ({"x-kvgate-kind": "ndarray", "x-kvgate-shape": ones70}, b"x", 400),
+        ({"x-kvgate-dtype": "uint8", "x-kvgate-shape": ones70}, b"x", 400),
+        ({"x-kvgate-format": "9"}, b"x", 400),
+        ({"x-kvgate-ttl": "nan"}, b"x", 400),
+        ({"x-kvgate-ttl": "inf"}, b"x", 400),
+        ({"content-type": FRAME}, _frame(shape=[2**63, 0], raw_len=0, payload=b""), 400),
+        ({"content-type": FRAME}, _frame(shape=[1] * 70, raw_len=1, payload=b"a"), 400),
+        ({"content-type": FRAME}, _frame(fmt=2**40), 400),
+        ({"content-type": FRAME}, _frame(ttl=float("nan")), 400),
+        ({"content-type": FRAME}, _frame(ttl=-5.0), 400),
+    ]
+    for headers, body, status in cases:
+        r = await client.put("/v1/objects/bad", content=body, headers=headers)
+        assert r.status_code == status, (headers, r.text)
+        assert set(r.json()) == {"error", "detail"}
+    assert (await client.get("/v1/objects/bad")).status_code == 404
+    # An empty tensor is an object like any other.
+    r = await client.put("/v1/objects/empty", content=b"", headers={"x-kvgate-dtype": "float16"})
+    assert r.status_code == 204
+    r = await client.get("/v1/objects/empty")
+    assert (r.content, r.headers["x-kvgate-shape"], r.headers["x-kvgate-dtype"]) == (
+        b"",
+        "0",
+        "float16",
+    )
+    # numpy has no bfloat16: the answer says what is missing (torch is installed here).
+    headers = {"x-kvgate-kind": "ndarray", "x-kvgate-dtype": "bfloat16"}
+    r = await client.put("/v1/objects/bf", content=b"ab", headers=headers)
+    assert (r.status_code, r.json()["error"]) == (415, "missing_dependency")
+    assert "ml_dtypes" in r.json()["detail"]
+    assert "torch, which is not installed" not in r.json()["detail"]
 
 
 def _raw_request(port: int, head: bytes) -> socket.socket:

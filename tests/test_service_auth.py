@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -132,3 +133,65 @@ def test_cli_serves_with_the_token_from_the_environment(tmp_path: Path) -> None:
     text = log.read_text()
     assert "bearer token required" in text
     assert TOKEN not in text
+
+
+def test_cli_logs_no_token_and_times_out_stalled_bodies(tmp_path: Path) -> None:
+    """``kvgate serve`` as shipped, access log on: a token in a query string (any name) or in
+    the Authorization header never reaches the log or an answer; a stalled body gets 408."""
+    port = free_port()
+    config = tmp_path / "kvgate.yaml"
+    config.write_text("tiers:\n  - url: 'memory://'\n    capacity: 8MiB\n")
+    env = {**os.environ, "KVGATE_TOKEN": TOKEN}
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "gateway.cli", "serve", "-f", str(config)]
+    command += ["--port", str(port), "--log-level", "info", "--body-timeout", "0.5"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    secret = "query-s3cret"
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(base, proc, log)
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        answers = [
+            httpx.get(f"{base}/v1/objects/k?token={secret}", headers=auth),
+            httpx.get(f"{base}/v1/objects/k?access_token={secret}&x=1", headers=auth),
+            httpx.get(f"{base}/v1/objects/k?{secret}", headers=auth),
+            httpx.get(f"{base}/v1/keys?prefix=p&api_key={secret}", headers=auth),
+            httpx.get(f"{base}/v1/keys?limit=many", headers=auth),  # an error that would echo
+            httpx.get(f"{base}/v1/objects/k?access_token={TOKEN}"),  # no header: refused
+        ]
+        assert [r.status_code for r in answers] == [404, 404, 404, 200, 400, 401]
+        for r in answers:
+            for word in (secret, TOKEN, "many"):
+                assert word not in r.text
+        head = (
+            b"PUT /v1/objects/stalled HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Length: 1000\r\n\r\n" % TOKEN.encode()
+        )
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head + b"x" * 10)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 408 ")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+    text = log.read_text()
+    assert secret not in text
+    assert TOKEN not in text
+    # The requests were logged, their query strings redacted but for kvgate's own parameters.
+    assert '"GET /v1/objects/k?<redacted> HTTP/1.1" 404' in text
+    assert '"GET /v1/objects/k?<redacted>&<redacted> HTTP/1.1" 404' in text
+    assert '"GET /v1/keys?prefix=p&<redacted> HTTP/1.1" 200' in text
+    assert '"PUT /v1/objects/stalled HTTP/1.1" 408' in text
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "kvgate serve did not become ready"
+        time.sleep(0.1)

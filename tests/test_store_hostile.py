@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zstandard
@@ -45,6 +46,8 @@ def plant(
         ("bytes", "float32", [4], b"\0" * 16),  # bytes are 1-D uint8
         ("pickle", "uint8", [3], b"abc"),  # unknown kind
         ("tensor", "float32", [5], b"\0" * 16),  # shape does not match the length
+        ("tensor", "float16", [2**63, 0], b""),  # empty, but no numpy or torch builds it
+        ("ndarray", "uint8", [2**62, 2, 0], b""),
     ],
 )
 async def test_hostile_metadata_is_a_counted_miss(
@@ -53,6 +56,20 @@ async def test_hostile_metadata_is_a_counted_miss(
     conn = MemoryConnector()
     async with Store({"tiers": [{"url": "memory://x"}]}, connectors={0: conn}) as store:
         plant(conn, "k", "raw", kind, dtype, shape, len(payload), payload)
+        assert await store.get("k") is None
+        assert store.stats()["memory"].corrupt == 1
+
+
+@pytest.mark.parametrize(
+    "fields", [{"fmt": 99}, {"ttl": float("nan")}, {"ttl": -1.0}, {"fmt": 2**40}], ids=str
+)
+async def test_a_format_or_ttl_no_put_accepts_is_a_counted_miss(fields: dict[str, Any]) -> None:
+    conn = MemoryConnector()
+    async with Store({"tiers": [{"url": "memory://x"}]}, connectors={0: conn}) as store:
+        head, _ = encode_header(
+            codec="raw", kind="bytes", dtype="uint8", shape=[3], raw_len=3, payload=b"abc", **fields
+        )
+        conn.objects["k"] = head + b"abc"
         assert await store.get("k") is None
         assert store.stats()["memory"].corrupt == 1
 

@@ -293,9 +293,13 @@ def test_frames_are_stored_as_described_or_refused(
     # The frame the gateway answers with is the object again, in any codec.
     again = client.get("/v1/objects/framed", headers={"accept": FRAME})
     assert again.status_code == 200
-    r = client.put("/v1/objects/again", content=again.content, headers={"content-type": FRAME})
+    assert client.delete("/v1/objects/framed").status_code == 204
+    r = client.put("/v1/objects/framed", content=again.content, headers={"content-type": FRAME})
     assert r.status_code == 204
-    assert read_back(client, "again").content == back.content
+    assert read_back(client, "framed").content == back.content
+    # That frame is bound to its key: under another one it is refused.
+    r = client.put("/v1/objects/again", content=again.content, headers={"content-type": FRAME})
+    assert r.status_code == 400
 
 
 @settings(SETTINGS, max_examples=50)

@@ -169,6 +169,7 @@ class MemoryTier:
         """Index ``slab`` under ``key``; takes over one reference of the caller's."""
         self.remove(key)
         self.index[key] = L1Entry(meta, slab, offset, expires_at)
+        self.pool.set_cached(slab, True)
         self.policy.insert(key, slab.size)
         self.stats.puts += 1
         self.stats.bytes_written += meta.nbytes
@@ -178,6 +179,7 @@ class MemoryTier:
         if entry is None:
             return False
         self.policy.remove(key)
+        self.pool.set_cached(entry.slab, False)
         entry.slab.release()
         return True
 
@@ -187,13 +189,23 @@ class MemoryTier:
         return self.index[key].slab.refs == 1
 
     def alloc(self, nbytes: int) -> Slab | None:
-        """A slab for ``nbytes``, evicting unreferenced entries by policy to make room."""
+        """A slab for ``nbytes``, evicting unreferenced entries by policy to make room.
+
+        Nothing is evicted for a request that eviction cannot satisfy: one larger than the
+        pool, or than its free bytes plus the entries nothing else holds (readers and queued
+        writes hold the rest, and evicting frees none of it). Such a request (a large object
+        read from a lower tier) is None at once, and the cache keeps its objects.
+        """
         slab = self.pool.alloc(nbytes)
+        if slab is not None or nbytes > self.pool.room_after_eviction():
+            return slab
         while slab is None:
             victim = self.policy.victim(self._evictable)
             if victim is None:
                 return None
-            self.index.pop(victim).slab.release()
+            entry = self.index.pop(victim)
+            self.pool.set_cached(entry.slab, False)
+            entry.slab.release()
             self.stats.evictions += 1
             slab = self.pool.alloc(nbytes)
         return slab

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.codec import Codec, frame_head
-from gateway.connector import PLACEMENT, Connector, address_of, as_parts
+from gateway.connector import PLACEMENT, Connector, address_of, as_parts, limiting_reads
 from gateway.errors import CapacityError, CorruptObject, GatewayError
-from gateway.frame import FrameHeader, decode_frame
+from gateway.frame import MAX_HEADER_LEN, FrameHeader, decode_frame, payload_offset_of
 from gateway.frame_check import StreamingChecksum
 from gateway.memory import BufferPool, Slab
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, check_meta, to_object
@@ -273,10 +273,12 @@ class ConnectorTier:
         """The verified, decoded object, or None (miss, corrupt or expired: counted).
 
         ``max_size`` bounds what a header may claim, so a hostile or corrupted frame cannot
-        make a codec allocate more than any object the store accepts.
+        make a codec allocate more than any object the store accepts; the connector sees the
+        bound as ``read_limit()`` (a frame of such an object) for what it reads first.
         """
         try:
-            return await self._read(key, alloc, max_size)
+            with limiting_reads(frame_limit(max_size)):
+                return await self._read(key, alloc, max_size)
         except CorruptObject as exc:
             self.stats.corrupt += 1
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
@@ -410,6 +412,13 @@ class _FrameAlloc:
         if self._check is None or not self._holds(blob):
             return None
         return self._check.digest()
+
+
+def frame_limit(max_size: int) -> int:
+    """The largest frame of an object of at most ``max_size`` bytes: the largest header, and
+    the payload, which a codec may make a little larger than the object (zstd and lz4 add
+    well under 1/64 to incompressible data). What a connector may be asked to read for it."""
+    return payload_offset_of(MAX_HEADER_LEN) + max_size + max_size // 64
 
 
 def _expiry(header: FrameHeader) -> float | None:

@@ -33,6 +33,7 @@ from connectors.valkey import ValkeyConnector
 from connectors.valkey.config import MIN_PART_SIZE as VALKEY_MIN_PART
 from gateway import Store
 from gateway.connector import BaseConnector
+from gateway.errors import CapacityError
 from gateway.parts import MAX_PARTS, Manifest
 from gateway.registry import connect
 from gateway.testing import MiB, assert_same_bytes, make_bytes
@@ -286,3 +287,18 @@ async def test_many_parts_are_read_by_a_bounded_number_of_tasks(
         await conn.close()
     assert_same_bytes(got, data)
     assert most_tasks < 64
+
+
+async def test_object_needing_more_parts_than_a_manifest_may_name_is_refused(
+    redis_server: RedisNode,
+) -> None:
+    """Readers refuse manifests of more than MAX_PARTS parts, so writers never make one."""
+    namespace = f"refused-{uuid.uuid4().hex[:8]}:"
+    conn = RedisConnector.from_url(redis_server.url, namespace=namespace, part_size=REDIS_MIN_PART)
+    try:
+        with pytest.raises(CapacityError, match="raise part_size"):
+            await conn.put("huge", bytes(MAX_PARTS * REDIS_MIN_PART + 1))
+        assert not await conn.exists("huge")
+    finally:
+        await conn.close()
+    assert redis_server.client().keys(f"{namespace}*") == []  # not a single part written

@@ -18,7 +18,9 @@ maps them to whatever its backend allows, without collisions and without path tr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -66,6 +68,33 @@ def placement_hook(alloc: Allocator) -> PlacedAllocator | None:
     """``alloc.placed`` if the allocator offers one (see ``PlacedAllocator``)."""
     hook = getattr(alloc, "placed", None)
     return hook if callable(hook) else None
+
+
+_READ_LIMIT: ContextVar[int | None] = ContextVar("kvgate_read_limit", default=None)
+
+
+def read_limit() -> int | None:
+    """The most bytes the current reader accepts as one stored value, or None when no limit
+    is known (a connector used on its own, outside a Store).
+
+    A connector that learns a value's size from something stored that nothing has verified
+    yet (a manifest, a declared length) refuses a larger size as ``CorruptObject`` before it
+    allocates anything: a forged size must never become an allocation. The Store's tiers set
+    it from ``max_object_size`` around each read (``limiting_reads``). It is a context
+    variable rather than an argument so that it reaches ``get`` and ``get_into`` of every
+    connector, through every layer, without widening the Connector protocol.
+    """
+    return _READ_LIMIT.get()
+
+
+@contextlib.contextmanager
+def limiting_reads(nbytes: int) -> Iterator[None]:
+    """``read_limit()`` is ``nbytes`` inside this block (and in tasks started from it)."""
+    token = _READ_LIMIT.set(nbytes)
+    try:
+        yield
+    finally:
+        _READ_LIMIT.reset(token)
 
 
 @runtime_checkable

@@ -45,7 +45,7 @@ def _cuda_available() -> bool:
 class Slab:
     """A reference-counted block of the pool. ``view`` is valid while a reference is held."""
 
-    __slots__ = ("nbytes", "offset", "pool", "refs", "size")
+    __slots__ = ("cached", "nbytes", "offset", "pool", "refs", "size")
 
     def __init__(self, pool: BufferPool, offset: int, size: int, nbytes: int) -> None:
         self.pool = pool
@@ -53,6 +53,7 @@ class Slab:
         self.size = size  # allocated (aligned) size
         self.nbytes = nbytes  # requested size
         self.refs = 1
+        self.cached = False  # one reference is the cache index's (``BufferPool.set_cached``)
 
     def _end(self, start: int, length: int | None) -> int:
         end = self.nbytes if length is None else start + length
@@ -70,6 +71,8 @@ class Slab:
             if self.refs <= 0:
                 raise RuntimeError("acquire of a freed slab")
             self.refs += 1
+            if self.cached and self.refs == 2:  # no longer the cache's alone
+                self.pool.reclaimable -= self.size
         return self
 
     def release(self) -> None:
@@ -121,6 +124,7 @@ class BufferPool:
         self._starts: list[int] = [0] if self.capacity else []
         self._sizes: dict[int, int] = {0: self.capacity} if self.capacity else {}
         self.used = 0
+        self.reclaimable = 0  # bytes of cached slabs that only the cache holds
         self.on_free: list[Callable[[], None]] = []
 
     def alloc(self, nbytes: int) -> Slab | None:
@@ -155,6 +159,8 @@ class BufferPool:
     def release(self, slab: Slab) -> None:
         with self.lock:
             slab.refs -= 1
+            if slab.cached and slab.refs == 1:  # the cache's alone again
+                self.reclaimable += slab.size
             if slab.refs > 0:
                 return
             if slab.refs < 0:
@@ -179,6 +185,23 @@ class BufferPool:
             del self._starts[i]
         self._starts.insert(i, start)
         self._sizes[start] = size
+
+    def set_cached(self, slab: Slab, cached: bool) -> None:
+        """Say that one of ``slab``'s references is (or no longer is) the cache index's, so
+        that ``room_after_eviction`` counts the slab while nothing else holds it."""
+        with self.lock:
+            if slab.cached == cached:
+                return
+            slab.cached = cached
+            if slab.refs == 1:
+                self.reclaimable += slab.size if cached else -slab.size
+
+    def room_after_eviction(self) -> int:
+        """Free bytes if the cache dropped every slab that only it holds: an allocation
+        larger than this cannot succeed by evicting (readers and queued writes hold the
+        rest). Fragmentation may still make a smaller one fail."""
+        with self.lock:
+            return self.capacity - self.used + self.reclaimable
 
     def largest_free(self) -> int:
         with self.lock:

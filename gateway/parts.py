@@ -20,6 +20,14 @@ Why readers never see a wrong object:
 - every part must come back with exactly its expected length, else the whole read is a miss
   (a part evicted by the server, expired, or deleted by a later overwrite).
 
+Why a forged manifest costs nothing (anyone who can write to the server can write one): it is
+checked before anything is allocated or requested. Its part count must agree with its total
+and part size and stay within ``MAX_PARTS`` (``put`` never writes more); its part size must be
+one the connector could have been configured with (``min_part_size``); its total must be
+within ``read_limit()``, what the reading Store accepts as one object. A manifest that fails a
+check is a ``CorruptObject``. Parts are then read by at most ``limit`` workers that take the
+next part (``bounded_all``), never a task per part, and the first missing part ends the read.
+
 Parts are written with a "pending" TTL, so that the parts of a write that dies before its commit
 expire by themselves. After the commit they are made durable (no TTL, or the object's TTL plus
 the pending margin). A crash between the commit and that step leaves an object whose parts
@@ -30,15 +38,17 @@ returned by exactly one swap, so concurrent writers clean up after each other ex
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar, overload
 
-from gateway.connector import Allocator, as_parts
-from gateway.errors import CorruptObject
+from gateway.connector import Allocator, as_parts, read_limit
+from gateway.errors import CapacityError, CorruptObject
+from gateway.host_memory import anonymous_memory
 from gateway.types import Buffer, BufferParts
 
 INLINE = 0
@@ -49,6 +59,11 @@ _MAGIC = b"KVGP"
 _VERSION = 1
 MANIFEST_SIZE = 1 + _MANIFEST.size
 """Bytes of a stored manifest value (tag included): what ``size_of`` needs to read."""
+MAX_PARTS = 1 << 16
+"""The most parts one object has: ``put`` refuses more (raise ``part_size``), and a manifest
+naming more is corrupt, so that no manifest makes a reader or a cleanup handle more keys."""
+T = TypeVar("T")
+_MAP_FROM = 1 << 20  # fresh buffers of this size on are mappings (``_untouched``)
 
 
 class PartBackend(Protocol):
@@ -64,7 +79,12 @@ class PartBackend(Protocol):
 
     async def read_parts_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> bool:
         """Fill ``dsts[i]`` with the value of ``keys[i]``; False if any is missing or has
-        another length than its destination (then the destinations hold garbage)."""
+        another length than its destination (then the destinations hold garbage).
+
+        Both sequences make their items when indexed (a manifest may name many parts): take
+        them one at a time, with a bounded number of reads in flight (``bounded_all``), and
+        stop at the first part that is missing.
+        """
         ...
 
     async def write_parts(self, items: Sequence[tuple[bytes, memoryview]], ttl: float) -> None:
@@ -103,10 +123,39 @@ class Manifest:
 
     def spans(self) -> list[tuple[int, int]]:
         """(offset, length) of each part."""
-        return [
-            (i * self.part_size, min(self.part_size, self.total - i * self.part_size))
-            for i in range(self.count)
-        ]
+        return [self.span(i) for i in range(self.count)]
+
+    def span(self, i: int) -> tuple[int, int]:
+        """(offset, length) of part ``i``."""
+        offset = i * self.part_size
+        return offset, min(self.part_size, self.total - offset)
+
+
+class _Lazy(Sequence[T]):
+    """A sequence whose items are made when asked for: a manifest of many parts costs no
+    memory or time before its parts are actually read."""
+
+    __slots__ = ("_count", "_item")
+
+    def __init__(self, count: int, item: Callable[[int], T]) -> None:
+        self._count = count
+        self._item = item
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[T]: ...
+    def __getitem__(self, index: int | slice) -> T | Sequence[T]:
+        if isinstance(index, slice):
+            return [self._item(i) for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        return self._item(index)
 
 
 class MalformedValue(CorruptObject):
@@ -130,6 +179,8 @@ def parse_head(value: Buffer) -> Manifest | None:
         raise MalformedValue("bad manifest magic, version or part size")
     if count != -(-total // part_size):
         raise MalformedValue(f"manifest says {count} parts for {total} bytes of {part_size}")
+    if count > MAX_PARTS:
+        raise MalformedValue(f"manifest names {count} parts, over the {MAX_PARTS} ever written")
     return Manifest(gen, total, part_size, count)
 
 
@@ -164,8 +215,62 @@ def slice_parts(data: BufferParts, part_size: int) -> list[memoryview]:
     return out
 
 
+def _untouched(nbytes: int) -> memoryview:
+    """A new buffer whose memory is taken as the parts arrive: a large one is a mapping of
+    untouched pages (a bytearray is zeroed, all of it, on the event loop), so a manifest
+    whose parts are missing costs address space, not memory or time."""
+    if nbytes < _MAP_FROM:
+        return memoryview(bytearray(nbytes))
+    return memoryview(anonymous_memory(nbytes, populate=False, huge_pages=False))[:nbytes]
+
+
+async def bounded_all(count: int, limit: int, call: Callable[[int], Awaitable[bool]]) -> bool:
+    """Whether ``call(i)`` is True for every ``i`` in ``range(count)``.
+
+    At most ``limit`` calls are in flight, made by as many workers that each take the next
+    index: one task per worker, never one per call, so a large count costs nothing up front.
+    The first False stops new calls (those in flight finish). The first exception cancels
+    those in flight and waits for them before it propagates: no call outlives this one (they
+    write into, or read from, the caller's buffers).
+    """
+    if min(count, limit) <= 1:
+        return await _serial(count, call)
+    indices = iter(range(count))
+    ok = True
+
+    async def worker() -> None:
+        nonlocal ok
+        for i in indices:  # shared: each index goes to one worker
+            if not ok:
+                return
+            if not await call(i):
+                ok = False
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(min(limit, count))]
+    try:
+        await asyncio.gather(*workers)
+    except BaseException:
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        raise
+    return ok
+
+
+async def _serial(count: int, call: Callable[[int], Awaitable[bool]]) -> bool:
+    for i in range(count):
+        if not await call(i):
+            return False
+    return True
+
+
 class StripedObjects:
-    """put/get/delete of whole objects on a ``PartBackend``, atomically (see module docs)."""
+    """put/get/delete of whole objects on a ``PartBackend``, atomically (see module docs).
+
+    ``min_part_size``: the smallest ``part_size`` the connector's options allow; a manifest
+    with smaller parts was not written by any configuration of it (a forged one, which would
+    otherwise name many tiny parts).
+    """
 
     def __init__(
         self,
@@ -175,18 +280,22 @@ class StripedObjects:
         part_size: int,
         inline_max: int,
         pending_ttl: float = 3600.0,
+        min_part_size: int = 1,
     ) -> None:
         if part_size <= 0 or inline_max < 0:
             raise ValueError("part_size must be positive and inline_max not negative")
+        if not 0 < min_part_size <= part_size:
+            raise ValueError(f"min_part_size must be in 1..part_size, got {min_part_size}")
         self.backend = backend
         self.parts_prefix = parts_prefix
         self.part_size = part_size
         self.inline_max = inline_max
         self.pending_ttl = pending_ttl
+        self.min_part_size = min_part_size
 
-    def part_keys(self, manifest: Manifest) -> list[bytes]:
+    def part_keys(self, manifest: Manifest) -> Sequence[bytes]:
         base = self.parts_prefix + manifest.gen.hex().encode() + b":"
-        return [base + str(i).encode() for i in range(manifest.count)]
+        return _Lazy(manifest.count, lambda i: base + str(i).encode())
 
     async def put(self, key: bytes, data: BufferParts, ttl: float | None = None) -> None:
         parts = as_parts(data)
@@ -196,6 +305,11 @@ class StripedObjects:
             await self._drop_superseded(previous)
             return
         manifest = Manifest(os.urandom(16), total, self.part_size, -(-total // self.part_size))
+        if manifest.count > MAX_PARTS:
+            raise CapacityError(
+                f"an object of {total} bytes needs {manifest.count} parts of {self.part_size} "
+                f"bytes, over {MAX_PARTS}: raise part_size"
+            )
         keys = self.part_keys(manifest)
         slices = slice_parts(parts, self.part_size)
         pending = self.pending_ttl + (ttl or 0.0)
@@ -229,13 +343,32 @@ class StripedObjects:
                 return src
             dst[:] = src
             return dst
+        self._check_readable(manifest)
         dst = alloc(manifest.total)
         if dst is None:
-            dst = memoryview(bytearray(manifest.total))
-        views = [dst[off : off + n] for off, n in manifest.spans()]
+            dst = _untouched(manifest.total)
+        whole = dst
+
+        def view(i: int) -> memoryview:
+            offset, length = manifest.span(i)
+            return whole[offset : offset + length]
+
+        views = _Lazy(manifest.count, view)
         if not await self.backend.read_parts_into(self.part_keys(manifest), views):
             return None  # a partial set: evicted, expired or superseded meanwhile
         return dst
+
+    def _check_readable(self, manifest: Manifest) -> None:
+        """``MalformedValue`` unless the manifest could be one of ours and its object is one
+        the reader accepts (module docs): checked before anything is allocated or read."""
+        if manifest.part_size < self.min_part_size:
+            raise MalformedValue(
+                f"manifest parts of {manifest.part_size} bytes, under the smallest part size "
+                f"({self.min_part_size})"
+            )
+        limit = read_limit()
+        if limit is not None and manifest.total > limit:
+            raise MalformedValue(f"manifest claims {manifest.total} bytes, over {limit}")
 
     async def get(self, key: bytes) -> Buffer | None:
         """Like ``get_into`` with fresh memory; an inline object is returned without a copy."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.codec import Codec, frame_head
-from gateway.connector import PLACEMENT, Connector, address_of, as_parts
+from gateway.connector import PLACEMENT, Connector, address_of, as_parts, limiting_reads
 from gateway.errors import (
     CapacityError,
     CorruptObject,
@@ -28,7 +28,7 @@ from gateway.errors import (
     MissingDependency,
     Unsupported,
 )
-from gateway.frame import FrameHeader, decode_frame
+from gateway.frame import MAX_HEADER_LEN, FrameHeader, decode_frame, payload_offset_of
 from gateway.frame_check import StreamingChecksum
 from gateway.memory import BufferPool, Slab
 from gateway.object_meta import meta_of_frame
@@ -177,6 +177,7 @@ class MemoryTier:
         """Index ``slab`` under ``key``; takes over one reference of the caller's."""
         self.remove(key)
         self.index[key] = L1Entry(meta, slab, offset, expires_at)
+        self.pool.set_cached(slab, True)
         self.policy.insert(key, slab.size)
         self.stats.puts += 1
         self.stats.bytes_written += meta.nbytes
@@ -186,6 +187,7 @@ class MemoryTier:
         if entry is None:
             return False
         self.policy.remove(key)
+        self.pool.set_cached(entry.slab, False)
         entry.slab.release()
         return True
 
@@ -195,13 +197,23 @@ class MemoryTier:
         return self.index[key].slab.refs == 1
 
     def alloc(self, nbytes: int) -> Slab | None:
-        """A slab for ``nbytes``, evicting unreferenced entries by policy to make room."""
+        """A slab for ``nbytes``, evicting unreferenced entries by policy to make room.
+
+        Nothing is evicted for a request that eviction cannot satisfy: one larger than the
+        pool, or than its free bytes plus the entries nothing else holds (readers and queued
+        writes hold the rest, and evicting frees none of it). Such a request (a large object
+        read from a lower tier) is None at once, and the cache keeps its objects.
+        """
         slab = self.pool.alloc(nbytes)
+        if slab is not None or nbytes > self.pool.room_after_eviction():
+            return slab
         while slab is None:
             victim = self.policy.victim(self._evictable)
             if victim is None:
                 return None
-            self.index.pop(victim).slab.release()
+            entry = self.index.pop(victim)
+            self.pool.set_cached(entry.slab, False)
+            entry.slab.release()
             self.stats.evictions += 1
             slab = self.pool.alloc(nbytes)
         return slab
@@ -270,10 +282,12 @@ class ConnectorTier:
         """The verified, decoded object, or None (miss, corrupt or expired: counted).
 
         ``max_size`` bounds what a header may claim, so a hostile or corrupted frame cannot
-        make a codec allocate more than any object the store accepts.
+        make a codec allocate more than any object the store accepts; the connector sees the
+        bound as ``read_limit()`` (a frame of such an object) for what it reads first.
         """
         try:
-            return await self._read(key, alloc, max_size)
+            with limiting_reads(frame_limit(max_size)):
+                return await self._read(key, alloc, max_size)
         except CorruptObject as exc:
             self.stats.corrupt += 1
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
@@ -409,6 +423,13 @@ class _FrameAlloc:
         if self._check is None or not self._holds(blob):
             return None
         return self._check.digest()
+
+
+def frame_limit(max_size: int) -> int:
+    """The largest frame of an object of at most ``max_size`` bytes: the largest header, and
+    the payload, which a codec may make a little larger than the object (zstd and lz4 add
+    well under 1/64 to incompressible data). What a connector may be asked to read for it."""
+    return payload_offset_of(MAX_HEADER_LEN) + max_size + max_size // 64
 
 
 def _expiry(header: FrameHeader) -> float | None:

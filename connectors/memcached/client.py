@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 from gateway.connector import Allocator
 from gateway.errors import CapacityError, GatewayError, Timeout, Unavailable
+from gateway.parts import bounded_all
 from gateway.transport import stream_transport
 from gateway.types import Buffer
 
@@ -49,6 +50,7 @@ _RECV_BUFFER = 256 * 1024
 _MAX_LINE = 8 * 1024
 _WRITE_SLICE = 1 << 20
 _JOIN_BELOW = 16 * 1024  # smaller pieces of commands are joined: one write, one packet
+_PARTS_PER_TRIP = 16  # values one connection asks for per round trip when reading parts
 _HIGH_WATER, _LOW_WATER = 256 << 10, 64 << 10
 _CRLF = b"\r\n"
 _STORE_REPLIES = {b"STORED": True, b"NOT_STORED": False, b"EXISTS": False, b"NOT_FOUND": False}
@@ -542,14 +544,19 @@ class MemcachedClient:
 
     async def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> bool:
         """Fill ``dsts[i]`` with the value of ``keys[i]``; False if any is missing or has
-        another length (the destinations then hold garbage)."""
-        if not keys:
-            return True
-        stripes = _stripes(len(keys), self.stripes)
-        found = await _first_error(
-            [self._get_stripe([keys[i] for i in s], [dsts[i] for i in s]) for s in stripes]
-        )
-        return all(found)
+        another length (the destinations then hold garbage).
+
+        Up to ``stripes`` connections at once, each asking for the next run of up to
+        ``_PARTS_PER_TRIP`` values in one pipelined round trip; a missing value ends the read
+        after the runs in flight. (``keys`` and ``dsts`` may make their items when indexed:
+        only a run's worth exists at a time.)
+        """
+
+        def run(i: int) -> Awaitable[bool]:
+            span = range(i * _PARTS_PER_TRIP, min(len(keys), (i + 1) * _PARTS_PER_TRIP))
+            return self._get_stripe([keys[j] for j in span], [dsts[j] for j in span])
+
+        return await bounded_all(-(-len(keys) // _PARTS_PER_TRIP), self.stripes, run)
 
     async def _get_stripe(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> bool:
         async with self._session("get part") as (conn, progress):

@@ -45,6 +45,8 @@ the CAS (measured: at most ~310), with room to spare."""
 UNSPLIT_RESERVE = 4 * KiB
 """What ``split=false`` keeps off its declared ``max_object_size``: the item overhead plus a
 main value's head (tag, key length and a key of up to ~3 KiB)."""
+MIN_PART_SIZE = 4 * KiB
+"""The smallest ``part_size``; also what a stored manifest's parts must be at least."""
 DEFAULT_INLINE_MAX = 4 * MiB
 """Objects up to this size are one item (when the item limit allows; capped per key)."""
 RELATIVE_EXPTIME_MAX = 30 * 24 * 3600
@@ -63,7 +65,7 @@ class MemcachedOptions(StrictOptions):
     timeout: float = Field(default=30.0, gt=0, description="seconds without a reply")
     connect_timeout: float = Field(default=5.0, gt=0)
     item_limit: ByteSize = Field(default=ByteSize(MiB), ge=16 * KiB, description="server's -I")
-    part_size: ByteSize | None = Field(default=None, ge=4 * KiB, description="default 1 MiB")
+    part_size: ByteSize | None = Field(default=None, ge=MIN_PART_SIZE, description="default 1 MiB")
     inline_max: ByteSize | None = Field(default=None, ge=0, description="default 4 MiB")
     split: bool = Field(default=True, description="false: one item per object, or refused")
     max_object_size: ByteSize | None = Field(default=None, gt=0, description="optional cap")

@@ -62,6 +62,7 @@ from connectors._options import parse_options
 from connectors.memcached.client import MemcachedClient
 from connectors.memcached.config import (
     ITEM_OVERHEAD,
+    MIN_PART_SIZE,
     Address,
     MemcachedOptions,
     exptime,
@@ -265,6 +266,7 @@ class MemcachedConnector(BaseConnector):
             parts_prefix=self.parts_prefix,
             part_size=self.part_size,
             inline_max=max(0, min(self.inline_max, room)),
+            min_part_size=MIN_PART_SIZE,
         )
         return _Object(engine, backend, self.main_key(key), room)
 

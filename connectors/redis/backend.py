@@ -13,7 +13,7 @@
   master that a failover replaced) makes the put fail instead of acknowledging an object that
   would read as a miss. ``remove``: ``UNLINK`` (split per slot on a cluster by redis-py).
 - ``read_parts_into``: ``GET`` straight into the destination, ``stripe_concurrency`` parts at
-  a time.
+  a time (that many workers, not a task per part), ending at the first missing part.
 
 Parts and commits go over the fast path (``fastpath``: no copies of the payload) when it is
 on; through redis-py when it is off, and whenever the fast path reports a moved cluster slot.
@@ -29,12 +29,11 @@ the connector raises once ``StripedObjects.put`` is done.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -43,10 +42,8 @@ from connectors.redis.client import RedisClient
 from connectors.redis.fastpath import FastPath
 from connectors.redis.resp import command, set_command
 from gateway.errors import Unavailable
-from gateway.parts import INLINE, MANIFEST_SIZE
+from gateway.parts import INLINE, MANIFEST_SIZE, bounded_all
 from gateway.types import Buffer
-
-T = TypeVar("T")
 
 
 class WriteCheck:
@@ -82,25 +79,15 @@ def _report(problem: str) -> None:
     check.problems.append(problem)
 
 
-async def run_bounded(calls: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
+async def run_bounded(calls: Sequence[Callable[[], Awaitable[object]]], limit: int) -> None:
     """Every call, at most ``limit`` at a time. On a failure the others are cancelled and
-    awaited before it propagates: none keeps writing into a caller's buffer afterwards."""
-    if len(calls) == 1:
-        return [await calls[0]()]
-    sem = asyncio.Semaphore(limit)
+    awaited before it propagates: none keeps reading a caller's buffer afterwards."""
 
-    async def one(call: Callable[[], Awaitable[T]]) -> T:
-        async with sem:
-            return await call()
+    async def one(i: int) -> bool:
+        await calls[i]()
+        return True
 
-    tasks = [asyncio.ensure_future(one(call)) for call in calls]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    await bounded_all(len(calls), limit, one)
 
 
 def _ms(seconds: float) -> int:
@@ -166,11 +153,9 @@ class RedisParts:
         return await self._value("get", lambda: self.client.redis.get(key))
 
     async def read_parts_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> bool:
-        calls = [
-            functools.partial(self._read_part, key, dst)
-            for key, dst in zip(keys, dsts, strict=True)
-        ]
-        return all(await run_bounded(calls, self.stripe))
+        return await bounded_all(
+            len(keys), self.stripe, lambda i: self._read_part(keys[i], dsts[i])
+        )
 
     async def _read_part(self, key: bytes, dst: memoryview) -> bool:
         if self.fast is not None:

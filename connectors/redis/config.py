@@ -49,6 +49,7 @@ from gateway.config import redact_url
 from gateway.errors import ConfigError
 
 MiB = 1 << 20
+MIN_PART_SIZE = 1024  # also what a stored manifest's parts must be at least (gateway.parts)
 SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 Mode = Literal["standalone", "sentinel", "cluster"]
 DEFAULT_PORT = 6379
@@ -69,7 +70,7 @@ class RedisOptions(StrictOptions):
     health_check_interval: int = Field(default=0, ge=0, description="seconds; 0 = off")
     max_connections: int = Field(default=32, ge=1, description="commands in flight at once")
     stripe_concurrency: int = Field(default=8, ge=1, description="parts in flight per object")
-    part_size: int = Field(default=4 * MiB, ge=1024, le=512 * MiB)
+    part_size: int = Field(default=4 * MiB, ge=MIN_PART_SIZE, le=512 * MiB)
     inline_max: int | None = Field(default=None, ge=0, description="default: part_size")
     ttl: float | None = Field(default=None, gt=0, description="server-side expiry, seconds")
     namespace: str = "kvgate:"

@@ -45,7 +45,7 @@ from typing import Any, Self
 from connectors._options import parse_options
 from connectors.redis.backend import RedisParts, write_check
 from connectors.redis.client import RedisClient
-from connectors.redis.config import RedisOptions, Target, resolve
+from connectors.redis.config import MIN_PART_SIZE, RedisOptions, Target, resolve
 from connectors.redis.fastpath import FOREIGN, MISS, FastPath
 from gateway.baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector
@@ -99,6 +99,7 @@ class RedisConnector(BaseConnector):
             parts_prefix=self.parts_prefix,
             part_size=options.part_size,
             inline_max=options.effective_inline_max,
+            min_part_size=MIN_PART_SIZE,
         )
         self.capabilities = Capabilities(
             batch=True, list=True, ttl=True, zero_copy=True, persistent=True

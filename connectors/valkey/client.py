@@ -58,7 +58,7 @@ from gateway.errors import (
     Timeout,
     Unavailable,
 )
-from gateway.parts import MANIFEST_SIZE
+from gateway.parts import MANIFEST_SIZE, bounded_all
 from gateway.types import Buffer
 
 T = TypeVar("T")
@@ -209,6 +209,7 @@ class GlideParts:
 
     def __init__(self, pool: GlidePool, concurrency: int) -> None:
         self.pool = pool
+        self._concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
 
     async def _one(self, call: Callable[[Client], Awaitable[T]], client: Client | None = None) -> T:
@@ -216,26 +217,19 @@ class GlideParts:
         with glide_errors(self.pool.target):
             return await call(client or await self.pool.client())
 
-    async def _spread(self, count: int, call: Callable[[int, Client], Awaitable[T]]) -> list[T]:
-        """``call(i, client)`` for i in range(count), spread over the clients, at most
-        ``concurrency`` in flight; every call is finished (or never started) on return."""
+    async def _spread(self, count: int, call: Callable[[int, Client], Awaitable[bool]]) -> bool:
+        """Whether ``call(i, client)`` is True for every i in range(count): spread over the
+        clients, at most ``concurrency`` in flight (by as many workers, not a task per call),
+        the first False ends it. Every call is finished (or never started) on return: none
+        outlives it to read the caller's buffers or write into its destination."""
         clients = await self.pool.clients()
         start = self.pool.start()
 
-        async def run(i: int) -> T:
+        async def run(i: int) -> bool:
             async with self._slots:
                 return await self._one(lambda c: call(i, c), clients[(start + i) % len(clients)])
 
-        tasks = [asyncio.ensure_future(run(i)) for i in range(count)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            # gather returns at the first error; the other requests must not outlive the
-            # call (they read the caller's buffers / write into its destination).
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await bounded_all(count, self._concurrency, run)
 
     async def _atomic(self, key: bytes, build: BatchBuilder) -> list[object]:
         """``build``'s commands on ``key``'s node as one MULTI/EXEC transaction."""
@@ -266,14 +260,15 @@ class GlideParts:
             dsts[i][:] = value
             return True
 
-        return all(await self._spread(len(keys), fetch))
+        return await self._spread(len(keys), fetch)
 
     async def write_parts(self, items: Sequence[tuple[bytes, memoryview]], ttl: float) -> None:
         expiry = _expiry(ttl)
 
-        async def store(i: int, client: Client) -> object:
+        async def store(i: int, client: Client) -> bool:
             key, value = items[i]
-            return await client.set(key, as_bytes(value), expiry=expiry)
+            await client.set(key, as_bytes(value), expiry=expiry)
+            return True
 
         await self._spread(len(items), store)
 
@@ -320,12 +315,19 @@ class GlideParts:
 
         async def apply(i: int, client: Client) -> bool:
             if ms is None:
-                return await client.persist(keys[i])
-            return await client.pexpire(keys[i], ms)
+                await client.persist(keys[i])
+            else:
+                await client.pexpire(keys[i], ms)
+            return True  # a part already gone is found by the next read
 
         await self._spread(len(keys), apply)
 
     async def remove(self, keys: Sequence[bytes]) -> None:
         if keys:
             # One DEL per key: in a cluster the parts lie in many slots.
-            await self._spread(len(keys), lambda i, client: client.delete([keys[i]]))
+
+            async def delete(i: int, client: Client) -> bool:
+                await client.delete([keys[i]])
+                return True
+
+            await self._spread(len(keys), delete)

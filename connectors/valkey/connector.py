@@ -47,7 +47,13 @@ from connectors.valkey.client import (
     create_client,
     glide_errors,
 )
-from connectors.valkey.config import Endpoint, ValkeyOptions, glide_config, parse_endpoint
+from connectors.valkey.config import (
+    MIN_PART_SIZE,
+    Endpoint,
+    ValkeyOptions,
+    glide_config,
+    parse_endpoint,
+)
 from gateway.baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector
 from gateway.parts import INLINE, MalformedValue, StripedObjects, size_of
@@ -85,6 +91,7 @@ class ValkeyConnector(BaseConnector):
             parts_prefix=namespace + b"p:",
             part_size=options.part_size,
             inline_max=options.inline_limit,
+            min_part_size=MIN_PART_SIZE,
         )
         self.capabilities = Capabilities(list=True, ttl=True, persistent=True)
 

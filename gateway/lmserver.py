@@ -13,8 +13,25 @@ of the same key sees them:
   the stock server never answers it.
 - A malformed or truncated header, an unknown command, a negative length or one over
   ``max_payload`` closes that one connection; a key that is not an LMCache key string is a
-  miss (GET, EXIST) or dropped (PUT, after reading its payload). Connections over
-  ``max_connections`` are closed at once. Store failures are misses, never crashes.
+  miss (GET, EXIST) or dropped (PUT, after reading its payload). Store failures are misses,
+  never crashes.
+
+What a client's numbers cannot do (the protocol has no authentication: see ``serve``):
+
+- make the server allocate: a PUT's payload buffer is a mapping of untouched pages that become
+  memory only as the bytes arrive, and every payload in receipt holds its length of one
+  server-wide ``ByteBudget`` (``payload_budget``), so declared lengths cost nothing and real
+  ones are bounded together; buffers kept between PUTs are bounded together too;
+- hold a connection: a request must arrive whole within ``request_timeout`` seconds of its
+  first byte (a payload gets its length at ``min_rate`` more) and never stall that long, and a
+  reply must be taken as fast; past that the connection is closed;
+- lock others out: ``max_connections`` bounds the connections, and a full server makes room
+  for a new one by closing an idle one (between requests, for at least ``RECLAIM_IDLE`` s):
+  first one that never sent a whole request (an idle flood's), then the one idle the longest;
+  only when none is idle is the newcomer refused, with a log line.
+  Idle connections are otherwise kept as long as they like (``idle_timeout`` None), because
+  LMCache's client opens one connection when it starts and never reconnects: closing an idle
+  engine's connection would cut it off for good.
 
 Why a ``BufferedProtocol`` rather than stream readers: payloads are received straight into one
 reused buffer per connection (no per-chunk allocation and copy), and GET replies are written
@@ -32,7 +49,9 @@ import weakref
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from gateway.byte_budget import ByteBudget
 from gateway.errors import GatewayError, InvalidKey
+from gateway.host_memory import anonymous_memory
 from gateway.keys import Key
 from gateway.lmwire import (
     CODE_OF_DTYPE,
@@ -52,6 +71,7 @@ from gateway.lmwire import (
     parse_request,
     strip_shape,
 )
+from gateway.log_limit import RepeatLimiter
 from gateway.objects import HAS_TORCH, ITEMSIZE, ObjectMeta, to_object_data, torch_dtype
 from gateway.store import Store
 from gateway.transport import stream_transport
@@ -61,8 +81,14 @@ T = TypeVar("T")
 D = TypeVar("D")
 
 KEEP_BUFFER = 64 << 20  # a connection keeps its receive buffer up to this size between PUTs
+KEEP_TOTAL = 256 << 20  # ... and all connections together keep at most this much
+MAP_FROM = 1 << 20  # payload buffers from this size on are mappings of untouched pages
 DIRECT_SEND = 256 << 10  # GET payloads from this size on are sent without the transport
 DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_REQUEST_TIMEOUT = 30.0  # seconds a request may take to arrive, from its first byte
+MIN_RATE = 1 << 20  # bytes/s a payload, received or sent, must at least average
+RECLAIM_IDLE = 0.5  # seconds idle after which a full server may close a connection
+SWEEP_EVERY = 0.5  # seconds between checks of the connections' deadlines
 
 
 async def serve_lm(
@@ -72,13 +98,29 @@ async def serve_lm(
     *,
     max_payload: int | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    idle_timeout: float | None = None,
+    payload_budget: int | None = None,
+    min_rate: int = MIN_RATE,
 ) -> asyncio.Server:
-    """Start serving lm:// on ``host:port``; ``close_lm(server)`` stops it."""
+    """Start serving lm:// on ``host:port``; ``close_lm(server)`` stops it.
+
+    ``max_payload``: the largest PUT (default and at most ``max_object_size``).
+    ``request_timeout``: seconds a request may take to arrive from its first byte (its payload
+    gets ``length / min_rate`` more; no byte for ``request_timeout`` is too long whatever the
+    length) and a reply to be taken. ``idle_timeout``: close a
+    connection idle (between requests) that long; None keeps it (see the module docstring).
+    ``payload_budget``: bytes all payloads in receipt may hold together (default twice
+    ``max_payload``); a PUT past it waits up to ``request_timeout``, then its connection closes.
+    """
     await store.open()
     limit = min(max_payload or store.config.max_object_size, INT32_MAX)
-    state = _Shared(store, limit, max_connections)
+    budget = ByteBudget(payload_budget or 2 * limit, request_timeout)
+    state = _Shared(store, limit, max_connections, request_timeout, idle_timeout, budget)
+    state.min_rate = min_rate
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _LmProtocol(state), host, port)
+    state.sweeper = loop.create_task(state.sweep(), name="kvgate-lm-sweeper")
     _SHARED[server] = state
     log.info("lm:// server on %s:%d", host, port)
     return server
@@ -87,15 +129,80 @@ async def serve_lm(
 class _Shared:
     """What every connection of one server shares."""
 
-    def __init__(self, store: Store, max_payload: int, max_connections: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        max_payload: int,
+        max_connections: int,
+        request_timeout: float,
+        idle_timeout: float | None,
+        budget: ByteBudget,
+    ) -> None:
         self.store = store
         self.max_payload = max_payload
         self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self.idle_timeout = idle_timeout
+        self.budget = budget
         self.open: set[_LmProtocol] = set()
+        self.min_rate = MIN_RATE
+        self.kept = 0  # bytes of receive buffers connections keep between PUTs
+        self.lines = RepeatLimiter()  # one line per kind of trouble, not one per connection
+        self.sweeper: asyncio.Task[None] | None = None
 
     @property
     def connections(self) -> int:
         return len(self.open)
+
+    def note(self, kind: str, message: str, *args: object) -> None:
+        """A warning about ``kind``, at most one per RepeatLimiter interval (with a count)."""
+        unlogged = self.lines.admit(kind)
+        if unlogged is not None:
+            more = f" ({unlogged} more since the last such line)" if unlogged else ""
+            log.warning("lm:// " + message + more, *args)
+
+    def admit(self) -> bool:
+        """Room for one more connection: a full server closes an idle one to make it.
+
+        Which one: first a connection that never sent a whole request, the oldest first
+        (an idle flood's), then the one idle the longest; either only after RECLAIM_IDLE s,
+        so that a client gets time to send its first header.
+        """
+        if len(self.open) < self.max_connections:
+            return True
+        now = asyncio.get_running_loop().time()
+        idle = [c for c in self.open if c.idle_for(now) >= RECLAIM_IDLE]
+        if not idle:  # a client sending a payload, or being served, keeps its connection
+            self.note(
+                "refused",
+                "server full (%d connections, none idle): a new connection was refused",
+                len(self.open),
+            )
+            return False
+        victim = min(idle, key=lambda c: (c.served > 0, -c.idle_for(now)))
+        self.note(
+            "reclaimed",
+            "server full (%d connections): closed one idle for %.1f s (%d requests served) "
+            "to admit a new one",
+            len(self.open),
+            victim.idle_for(now),
+            victim.served,
+        )
+        victim.close("reclaimed for a new connection")
+        return True
+
+    async def sweep(self) -> None:
+        """Close connections whose request is overdue, or idle past ``idle_timeout``."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            now = loop.time()
+            for conn in list(self.open):
+                if conn.overdue(now):
+                    self.note("overdue", "closed a connection whose request was overdue")
+                    conn.close("request overdue")
+                elif self.idle_timeout is not None and conn.idle_for(now) > self.idle_timeout:
+                    conn.close("idle timeout")
 
 
 _SHARED: weakref.WeakKeyDictionary[asyncio.Server, _Shared] = weakref.WeakKeyDictionary()
@@ -108,14 +215,21 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.shared = shared
         self.transport: asyncio.Transport | None = None
         self.header = bytearray(REQUEST.size)
-        self.buffer = bytearray()  # the payload buffer, reused across PUTs
+        self.buffer: memoryview = memoryview(b"")  # the payload buffer, reused across PUTs
+        self.reserved = 0  # payload budget held for the PUT being received
         self.target = memoryview(self.header)  # what get_buffer fills now
         self.got = 0
         self.request: Request | None = None
+        self.deadline: float | None = None  # when the request being received must be whole
+        self.last_byte = 0.0  # when the latest bytes arrived
+        self.served = 0  # requests handled on this connection
+        self.handling = False  # a request is being handled (reading is paused meanwhile)
+        self.idle_since = asyncio.get_running_loop().time()
         self.task: asyncio.Task[None] | None = None
         self.direct: socket.socket | None = None
         self.can_write: asyncio.Event = asyncio.Event()
         self.can_write.set()
+        self._kept = False  # the buffer counts in the server's kept bytes
 
     # -- transport callbacks --------------------------------------------------------------
 
@@ -123,8 +237,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.transport = transport = stream_transport(transport)
         # Pause as soon as anything is buffered, so that can_write means "buffer empty".
         transport.set_write_buffer_limits(high=0)
-        if self.shared.connections >= self.shared.max_connections:
-            log.warning("lm:// connection refused: %d open", self.shared.connections)
+        if not self.shared.admit():
             transport.close()
             return
         self.shared.open.add(self)
@@ -137,6 +250,25 @@ class _LmProtocol(asyncio.BufferedProtocol):
         if self.direct is not None:
             self.direct.close()
             self.direct = None
+        self._drop_buffer()
+        if self.task is None or self.task.done():  # else the task gives it back as it ends
+            self._give_back()
+
+    def overdue(self, now: float) -> bool:
+        """Whether the request being received is late: past its deadline, or stalled."""
+        if self.deadline is None:
+            return False
+        return now > self.deadline or now - self.last_byte > self.shared.request_timeout
+
+    def idle_for(self, now: float) -> float:
+        """Seconds this connection has given the server nothing to do: between requests, or
+        in a header that has not arrived whole (LMCache's client sends one in one piece);
+        0 while a payload arrives or a request is handled."""
+        if self.handling or self.request is not None:
+            return 0.0
+        if self.deadline is not None:  # part of a header
+            return now - (self.deadline - self.shared.request_timeout)
+        return now - self.idle_since
 
     def pause_writing(self) -> None:
         self.can_write.clear()
@@ -150,6 +282,9 @@ class _LmProtocol(asyncio.BufferedProtocol):
         return self.target[self.got :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_byte = now = self._now()
+        if self.deadline is None:  # the first bytes of a request
+            self.deadline = now + self.shared.request_timeout
         self.got += nbytes
         if self.got < len(self.target):
             return
@@ -163,10 +298,18 @@ class _LmProtocol(asyncio.BufferedProtocol):
 
     # -- the request cycle ----------------------------------------------------------------
 
+    def close(self, why: str) -> None:
+        """Close the connection (from the server: reclaimed, overdue)."""
+        self.shared.open.discard(self)
+        self._close(why)
+
     def _close(self, why: str) -> None:
         log.debug("lm:// closing a connection: %s", why)
         if self.transport is not None:
             self.transport.close()
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
 
     def _header_done(self) -> None:
         try:
@@ -180,32 +323,100 @@ class _LmProtocol(asyncio.BufferedProtocol):
         if req.length > self.shared.max_payload:
             self._close(f"payload of {req.length} bytes over {self.shared.max_payload}")
             return
-        if len(self.buffer) < req.length:
-            self.buffer = bytearray(req.length)
+        reserved = self.shared.budget.try_acquire(req.length)
+        if reserved is not None:
+            self._receive(req, reserved)
+            return
+        # The payloads in receipt hold the whole budget: wait for room, reading paused.
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self.handling = True
+        self.task = asyncio.get_running_loop().create_task(self._reserve(req))
+
+    async def _reserve(self, req: Request) -> None:
+        try:
+            reserved = await self.shared.budget.acquire(req.length)
+        except GatewayError:
+            self.shared.note("budget", "payloads in receipt hold the whole budget: closed one")
+            self._close("payload budget")
+            return
+        self.handling = False
+        assert self.transport is not None
+        if self.transport.is_closing():
+            self.shared.budget.release(reserved)
+            return
+        self._receive(req, reserved)
+        self.transport.resume_reading()
+
+    def _receive(self, req: Request, reserved: int) -> None:
+        """Receive ``req``'s payload into the connection's buffer, from the next byte on."""
+        self.reserved = reserved
+        if self.buffer.nbytes < req.length:
+            self._drop_buffer()
+            self.buffer = _untouched(req.length)
         self.request = req
-        self.target = memoryview(self.buffer)[: req.length]
+        self.target = self.buffer[: req.length]
         self.got = 0
+        self.last_byte = now = self._now()  # the wait for the budget is not the client's stall
+        self.deadline = now + self.shared.request_timeout + req.length / self.shared.min_rate
 
     def _start(self, req: Request, payload: memoryview) -> None:
         assert self.transport is not None
         self.transport.pause_reading()  # one request at a time per connection
+        self.handling = True
+        self.deadline = None
         self.task = asyncio.get_running_loop().create_task(self._run(req, payload))
 
     async def _run(self, req: Request, payload: memoryview) -> None:
         try:
+            if not self.can_write.is_set():  # the client has not taken earlier replies yet
+                async with asyncio.timeout(self.shared.request_timeout):
+                    await self.can_write.wait()
             await self._handle(req, payload)
+        except TimeoutError:
+            self.shared.note("slow reader", "closed a connection that did not take its reply")
+            self._close("replies not taken in time")
+            return
         except Exception:  # a bug here must cost one connection, never the server
             log.exception("lm:// request failed; closing its connection")
             self._close("internal error")
             return
-        if len(self.buffer) > KEEP_BUFFER:
-            self.buffer = bytearray()
+        finally:
+            self._give_back()
+            self.handling = False
+            self.idle_since = self._now()
+            self.served += 1
+        self._keep_or_drop_buffer()
         self.request = None
         self.target = memoryview(self.header)
         self.got = 0
         assert self.transport is not None
         if not self.transport.is_closing():
             self.transport.resume_reading()
+
+    def _give_back(self) -> None:
+        if self.reserved:
+            self.shared.budget.release(self.reserved)
+            self.reserved = 0
+
+    def _keep_or_drop_buffer(self) -> None:
+        """Keep the payload buffer for the next PUT unless it is large or too many are kept."""
+        size = self.buffer.nbytes
+        if self.buffer.readonly or not size:
+            return
+        if self._kept:
+            return
+        if size > KEEP_BUFFER or self.shared.kept + size > KEEP_TOTAL:
+            self._drop_buffer()
+            return
+        self._kept = True
+        self.shared.kept += size
+
+    def _drop_buffer(self) -> None:
+        if self._kept:
+            self.shared.kept -= self.buffer.nbytes
+            self._kept = False
+        self.buffer = memoryview(b"")
 
     async def _handle(self, req: Request, payload: memoryview) -> None:
         store = self.shared.store
@@ -222,15 +433,15 @@ class _LmProtocol(asyncio.BufferedProtocol):
             key = ""
         if req.command == Command.PUT:
             if key:
-                await _put(store, key, req, payload)
+                await self._put(key, req, payload)
         elif req.command == Command.EXIST:
-            found = bool(key) and await _guard(store.contains(key), False)
+            found = bool(key) and await self._guard(store.contains(key), False)
             self._write(encode_reply(FOUND if found else MISS))
         else:  # GET
             await self._get(key)
 
     async def _get(self, key: str) -> None:
-        found = await _guard(_get_with_format(self.shared.store, key), None) if key else None
+        found = await self._guard(_get_with_format(self.shared.store, key), None) if key else None
         if found is None:
             self._write(encode_reply(MISS))
             return
@@ -242,13 +453,23 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self._write(encode_reply(MISS))
             return
         view = data.host()
-        self._write(encode_reply(reply))  # alone: LMCache's client reads it with one recv(36)
+        limit = self.shared.request_timeout + view.nbytes / self.shared.min_rate
+        try:
+            async with asyncio.timeout(limit):  # a client that does not read loses its turn
+                await self._send(encode_reply(reply), view)
+        except TimeoutError:
+            self.shared.note("slow reader", "closed a connection that did not take its reply")
+            self._close("reply not taken in time")
+
+    async def _send(self, reply: bytes, view: memoryview) -> None:
+        self._write(reply)  # alone: LMCache's client reads it with one recv(36)
         await self.can_write.wait()  # the transport's buffer is empty: the payload comes next
         assert self.transport is not None
         if self.transport.is_closing():
             return
         if view.nbytes < DIRECT_SEND:
             self._write(view)
+            await self.can_write.wait()
             return
         # obj (and its lease on the cache) lives until the payload is sent.
         await asyncio.get_running_loop().sock_sendall(self._direct_socket(), view)
@@ -268,19 +489,25 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self.direct.setblocking(False)
         return self.direct
 
+    async def _guard(self, call: Awaitable[T], default: D) -> T | D:
+        """A store failure is a miss for the client (and a log line for the operator)."""
+        try:
+            return await call
+        except GatewayError as exc:
+            self.shared.note(f"store {exc.kind}", "store call failed: %s", exc)
+            return default
+
+    async def _put(self, key: str, req: Request, payload: memoryview) -> None:
+        store = self.shared.store
+        if req.is_tombstone:
+            await self._guard(store.delete(key), False)
+            return
+        await self._guard(store.put(key, _payload_object(req, payload), fmt=req.fmt), None)
+
     def _write(self, data: bytes | memoryview) -> None:
         assert self.transport is not None
         if not self.transport.is_closing():
             self.transport.write(data)
-
-
-async def _guard(call: Awaitable[T], default: D) -> T | D:
-    """A store failure is a miss for the client (and a log line for the operator)."""
-    try:
-        return await call
-    except GatewayError as exc:
-        log.warning("lm:// store call failed: %s", exc)
-        return default
 
 
 async def _get_with_format(store: Store, key: str) -> tuple[object, int] | None:
@@ -289,11 +516,12 @@ async def _get_with_format(store: Store, key: str) -> tuple[object, int] | None:
     return None if found is None else (found[0], int(found[1].fmt))
 
 
-async def _put(store: Store, key: str, req: Request, payload: memoryview) -> None:
-    if req.is_tombstone:
-        await _guard(store.delete(key), False)
-        return
-    await _guard(store.put(key, _payload_object(req, payload), fmt=req.fmt), None)
+def _untouched(nbytes: int) -> memoryview:
+    """A payload buffer whose memory is taken as the bytes arrive: a large one is a mapping of
+    untouched pages (a bytearray would be zeroed, all of it, before a byte arrived)."""
+    if nbytes < MAP_FROM:
+        return memoryview(bytearray(nbytes))
+    return memoryview(anonymous_memory(nbytes, populate=False, huge_pages=False))[:nbytes]
 
 
 def _payload_object(req: Request, payload: memoryview) -> object:
@@ -333,6 +561,10 @@ async def close_lm(server: asyncio.Server) -> None:
     leaves them open); a request in progress is cut off."""
     server.close()
     shared = _SHARED.pop(server, None)
+    if shared is not None and shared.sweeper is not None:
+        shared.sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await shared.sweeper
     if shared is not None:
         for conn in list(shared.open):
             if conn.transport is not None:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 import pytest_asyncio
+from servers.lm_raw import KEY, Server, put, raw_header
 from servers.lmcache import run_lmcache_client
 from servers.proc import free_port
 
@@ -29,7 +30,6 @@ from gateway.lmwire import (
     Reply,
     Request,
     encode_request,
-    parse_reply,
 )
 from gateway.store import Store
 
@@ -38,61 +38,7 @@ pytestmark = pytest.mark.both_loops
 
 torch = pytest.importorskip("torch")
 
-KEY = "llama@1@0@abc123@bfloat16"
 MAX_PAYLOAD = 8 << 20
-IO_LIMIT = 5.0  # seconds: no test waits longer for a socket
-
-
-class Server:
-    def __init__(self, store: Store, port: int) -> None:
-        self.store = store
-        self.port = port
-
-    async def connect(self) -> Client:
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        return Client(reader, writer)
-
-
-class Client:
-    """A raw lm:// client: writes what it is told, reads exactly the reply."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    async def send(self, *chunks: bytes) -> None:
-        for chunk in chunks:
-            self.writer.write(chunk)
-        await self.writer.drain()
-
-    async def reply(self) -> tuple[Reply, bytes]:
-        async with asyncio.timeout(IO_LIMIT):
-            reply = parse_reply(await self.reader.readexactly(REPLY.size))
-            payload = await self.reader.readexactly(reply.length) if reply.length else b""
-        return reply, payload
-
-    async def ask(self, req: Request) -> tuple[Reply, bytes]:
-        await self.send(encode_request(req))
-        return await self.reply()
-
-    async def closed_by_server(self) -> bool:
-        async with asyncio.timeout(IO_LIMIT):
-            return await self.reader.read(1) == b""
-
-    async def close(self) -> None:
-        self.writer.close()
-        await self.writer.wait_closed()
-
-
-def put(key: str, payload: bytes, fmt: int, dtype: int, shape: tuple[int, ...]) -> bytes:
-    dims = (*shape, 0, 0, 0, 0)[:4]
-    header = encode_request(Request(Command.PUT, key, len(payload), fmt, dtype, dims))  # type: ignore[arg-type]
-    return header + payload
-
-
-def raw_header(command: int, length: int, fmt: int = 1, dtype: int = 3, key: str = KEY) -> bytes:
-    """A header packed without validation (for the malformed cases)."""
-    return REQUEST.pack(command, length, fmt, dtype, 0, 0, 0, 0, 0, key.encode().ljust(150))
 
 
 @pytest_asyncio.fixture

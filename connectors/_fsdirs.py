@@ -80,9 +80,8 @@ class Tree:
         self._fds: list[int] = []
         try:
             os.makedirs(root, exist_ok=True)
-            root_fd = os.open(
-                root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-            )  # follows: the user's path
+            # Followed if it is a link: the root's path is the user's choice.
+            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise ConfigError(f"cannot use {root} for file://: {exc}") from exc
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import uuid
 import warnings
@@ -12,7 +13,7 @@ from typing import Any, ClassVar, Self
 
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
-from connectors.s3 import names
+from connectors.s3 import names, sweep
 from connectors.s3.client import S3Client, new_session, open_client
 from connectors.s3.config import Location, S3Options, parse
 from connectors.s3.download import download
@@ -41,7 +42,13 @@ class S3Connector(BaseConnector):
         self.prefix = location.prefix
         self.batch_concurrency = self.options.batch_concurrency
         self._names = names.Naming(location.prefix)
-        self._client = S3Client(location, self.options, repr(self))
+        max_age, every = self.options.abort_uploads_older_than, self.options.abort_uploads_every
+        janitor = None
+        if max_age is not None:
+            janitor = functools.partial(
+                sweep.sweep_now_and_then, naming=self._names, max_age=max_age, every=every
+            )
+        self._client = S3Client(location, self.options, repr(self), janitor)
         self._in_flight = InFlight()
         self._closed = False
 
@@ -130,6 +137,13 @@ class S3Connector(BaseConnector):
             return True
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    async def abort_stale_uploads(self) -> int:
+        """Sweep now: abort this tier's multipart uploads under the prefix that are older than
+        ``abort_uploads_older_than`` (none when that is None); how many were aborted."""
+        with self._op():
+            max_age = self.options.abort_uploads_older_than
+            return 0 if max_age is None else await sweep.sweep(self._client, self._names, max_age)
 
     async def ping(self) -> bool:
         await self.exists("kvgate-ping")

@@ -170,12 +170,12 @@ class S3Client:
         if self._closed:
             return
         self._closed = True
-        if self._janitor_task is not None:
-            self._janitor_task.cancel()
-            # wait, not await: a cancellation of close() itself must not be swallowed here
-            await asyncio.wait([self._janitor_task])
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        async with self._lock:
+        async with self._lock:  # under the lock: a get() building the client has started it
+            if self._janitor_task is not None:
+                self._janitor_task.cancel()
+                # wait, not await: a cancellation of close() itself must not be swallowed here
+                await asyncio.wait([self._janitor_task])
             self._client = None
             await self._stack.aclose()

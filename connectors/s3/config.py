@@ -24,6 +24,8 @@ MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB
 """S3 rejects multipart parts smaller than this (all but the last part)."""
 MAX_PARTS = 10_000
+DEFAULT_STALE_UPLOAD_AGE = 3600.0
+"""An hour: longer than any upload of a live gateway, so a sweep aborts only dead ones."""
 MAX_SWEEP_PERIOD = 30 * 86400.0
 """Longest period between sweeps of stale multipart uploads (asyncio sleeps are bounded)."""
 MAX_PREFIX = 512
@@ -79,7 +81,7 @@ class S3Options(StrictOptions):
     )
     batch_concurrency: int = Field(default=16, ge=1)
     abort_uploads_older_than: float | None = Field(
-        default=3600.0,
+        default=DEFAULT_STALE_UPLOAD_AGE,
         ge=0,
         allow_inf_nan=False,
         description="seconds: multipart uploads of this tier's object names under the prefix "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from connectors import _fsrecord as rec
@@ -48,14 +49,15 @@ class SizeChanged(Exception):
 
 
 def read_object(
-    path: str,
+    open_fd: Callable[[], int],
     key: str,
     buf: memoryview,
     filled: FillHook | None,
     stop: threading.Event,
     direct: bool = False,
 ) -> None:
-    """Check the record at ``path`` and read its data into ``buf`` (exactly its size).
+    """Check the record that ``open_fd()`` opens and read its data into ``buf`` (exactly its
+    size).
 
     A read from the page cache is a memory copy that one thread cannot saturate: a large one
     also runs in a helper thread, both taking interleaved steps (``_fsrecord.Steps``), which
@@ -63,8 +65,9 @@ def read_object(
     started), so no thread writes into ``buf`` or reads a closed fd after this returns.
     ``filled`` is the allocator's hook. ``direct``: read with O_DIRECT (no page cache).
     """
-    fd, record = rec.open_record(path, key)
+    fd = open_fd()
     try:
+        record = rec.record_of(fd, key)
         if record.data_len != buf.nbytes:
             raise SizeChanged(record.data_len)
         offset = record.data_offset

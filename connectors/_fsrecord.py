@@ -152,17 +152,12 @@ def read_record(fd: int) -> Record:
     return Record(key, data_offset, data_len, st.st_mtime_ns, pad)
 
 
-def open_record(path: str, key: str) -> tuple[int, Record]:
-    """Open ``path`` and check that it is a whole record of ``key``; the caller closes the fd."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        record = read_record(fd)
-        if record.key != key:
-            raise ForeignRecord(f"{path} holds another key")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, record
+def record_of(fd: int, key: str) -> Record:
+    """Read the header at ``fd`` and check that it is a whole record of ``key``."""
+    record = read_record(fd)
+    if record.key != key:
+        raise ForeignRecord(f"the file of {key!r} holds another key")
+    return record
 
 
 def read_exact(

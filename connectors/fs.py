@@ -8,8 +8,14 @@ Layout under the root::
     quarantine/                  files found broken, kept for a human to look at
 
 Only hex digits from a hash become path components, so no key can name a file outside the
-root. The lock makes the root exclusive to one connector (in this or any process): the index
-in memory is then the truth about what is stored, and ``exists`` needs no I/O.
+root, and no symlink inside the root is ever followed (see _fsdirs): the root itself may be
+one, but a link in place of ``.lock``, ``objects/``, ``tmp/`` or ``quarantine/`` refuses the
+directory at start (ConfigError), and a fan-out directory or an object file that is a link is
+ignored: never read, moved or deleted, logged once per kind (fan-out directory, object file,
+temp file) per connector. A put whose fan-out directory or object file is a link fails with a
+ConfigError and writes nothing through it. The lock makes the root exclusive to one connector
+(in this or any process): the index in memory is then the truth about what is stored, and
+``exists`` needs no I/O.
 
 put writes a temp file with ``os.writev`` (no joining of parts), fsyncs it and renames it into
 place: readers see the old file or the new one, never a partial one, and a crash leaves a whole
@@ -72,6 +78,7 @@ from urllib.parse import unquote
 from pydantic import Field
 
 from connectors import _fsrecord as rec
+from connectors._fsdirs import Name, Symlink, Tree
 from connectors._fsread import DIRECT_IO_BYTES, SizeChanged, read_object
 from connectors._keylocks import KeyLocks
 from connectors._options import StrictOptions, parse_options, split_url
@@ -90,7 +97,7 @@ from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_UNREADABLE = (rec.BadRecord, rec.ForeignRecord, FileNotFoundError)
+_UNREADABLE = (rec.BadRecord, rec.ForeignRecord, FileNotFoundError, Symlink)
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -144,44 +151,6 @@ def _no_buffer(size: int) -> memoryview | None:
     return None  # get_into then reads into a new bytearray
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quiet(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _unlink_all(paths: Sequence[str], stop: threading.Event) -> None:
-    for path in paths:  # short work: no need to stop halfway
-        _unlink_quiet(path)
-
-
-def _lock_root(root: str) -> int:
-    path = os.path.join(root, ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # The holder's pid, for a human wondering who has the directory.
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-    except BlockingIOError:
-        os.close(fd)
-        raise ConfigError(
-            f"directory {root} is in use by another file:// connector (in this or another "
-            "process); close it first"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 class FileConnector(BaseConnector):
     scheme: ClassVar[str] = "file"
 
@@ -208,17 +177,11 @@ class FileConnector(BaseConnector):
         policy = make_policy(eviction, capacity or 0)  # checks the name even without capacity
         self._policy: EvictionPolicy[str] | None = policy if capacity is not None else None
         self._objects = os.path.join(self.root, "objects")
-        self._tmp = os.path.join(self.root, "tmp")
-        self._quarantine = os.path.join(self.root, "quarantine")
-        try:
-            for d in (self._objects, self._tmp, self._quarantine):
-                os.makedirs(d, exist_ok=True)
-            lock_fd = _lock_root(self.root)
-        except OSError as exc:
-            raise ConfigError(f"cannot use {self.root} for file://: {exc}") from exc
-        # Closing the fd drops the lock: on close(), or when a connector nobody closed is
-        # garbage collected, so that a forgotten instance does not lock the root for good.
-        self._unlock = weakref.finalize(self, os.close, lock_fd)
+        self._tree = Tree(self.root)
+        # Closing the tree's fds drops the lock: on close(), or when a connector nobody closed
+        # is garbage collected, so that a forgotten instance does not lock the root for good.
+        self._unlock = weakref.finalize(self, self._tree.close)
+        self._links_logged: set[str] = set()
         self._index: dict[str, int] | None = None  # key -> object bytes; None until scanned
         # key -> where in a page its data starts in the file: a direct read asks the allocator
         # for a buffer at that phase, so the disk fills it in place (a hint only: a read that
@@ -248,11 +211,26 @@ class FileConnector(BaseConnector):
 
     def path_for(self, key: str) -> str:
         """The file that holds (or would hold) ``key``."""
-        a, b, name = rec.object_name(key)
-        path = os.path.join(self._objects, a, b, name)
+        return self._tree.path(*self._name(key))
+
+    @staticmethod
+    def _name(key: str) -> Name:
+        name = rec.object_name(key)
         # Hex names cannot climb out of objects/; checked anyway, since it is the promise.
-        assert os.path.dirname(os.path.dirname(os.path.dirname(path))) == self._objects
-        return path
+        assert all(part and os.sep not in part and part not in (".", "..") for part in name)
+        return name
+
+    def _skip_link(self, link: Symlink) -> None:
+        """Log a link that was ignored, once per kind (a tree of them would flood the log)."""
+        if link.kind not in self._links_logged:
+            self._links_logged.add(link.kind)
+            log.warning(
+                "%r: ignored %s, a symlink (as %s): file:// never follows links inside its "
+                "directory; further symlinks of this kind are ignored silently",
+                self,
+                link.path,
+                link.kind,
+            )
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -294,44 +272,42 @@ class FileConnector(BaseConnector):
 
         Returns the records found and the number of files quarantined.
         """
-        for entry in os.scandir(self._tmp):  # the lock says no put of ours is running
-            _unlink_quiet(entry.path)
+        self._tree.clear_tmp(self._skip_link)  # the lock says no put of ours is running
         found, quarantined = [], 0
-        for top in os.scandir(self._objects):
-            for sub in os.scandir(top.path) if top.is_dir() else ():
-                for entry in os.scandir(sub.path) if sub.is_dir() else ():
-                    if not entry.is_file(follow_symlinks=False):
-                        continue  # not something a put makes; never followed out of the root
-                    record = self._check_file(entry.path)
-                    if isinstance(record, rec.Record):
-                        found.append(record)
-                    quarantined += record is _QUARANTINED
+        for leaf, name in self._tree.walk(self._skip_link):
+            try:
+                record = self._check_file(leaf, name)
+            except Symlink as link:  # became one since the listing
+                self._skip_link(link)
+                continue
+            if isinstance(record, rec.Record):
+                found.append(record)
+            quarantined += record is _QUARANTINED
         return found, quarantined
 
-    def _check_file(self, path: str) -> rec.Record | _Quarantined | None:
-        """The record at ``path`` if it is whole and named right; None if there is no file;
-        else the file is moved to quarantine/ (and _QUARANTINED returned)."""
+    def _check_file(self, leaf: int, name: Name) -> rec.Record | _Quarantined | None:
+        """The record ``name`` (in the directory open as ``leaf``) if it is whole and named
+        right; None if there is no file; else the file is moved to quarantine/ (and
+        _QUARANTINED returned). Raises Symlink for a link, which stays where it is."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._tree.open_file(leaf, name)
         except FileNotFoundError:
             return None
         try:
             record = rec.read_record(fd)
         except rec.BadRecord as exc:
-            return self._quarantine_file(path, str(exc))
+            return self._quarantine_file(leaf, name, str(exc))
         finally:
             os.close(fd)
-        if self.path_for(record.key) != path:  # not where its key belongs: moved by hand
-            return self._quarantine_file(path, f"holds key {record.key!r}, not its own")
+        if self._name(record.key) != name:  # not where its key belongs: moved by hand
+            return self._quarantine_file(leaf, name, f"holds key {record.key!r}, not its own")
         return record
 
-    def _quarantine_file(self, path: str, why: str) -> _Quarantined | None:
-        dest = os.path.join(self._quarantine, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
-        try:
-            os.replace(path, dest)
-        except FileNotFoundError:
+    def _quarantine_file(self, leaf: int, name: Name, why: str) -> _Quarantined | None:
+        dest = self._tree.quarantine_file(leaf, name)
+        if dest is None:
             return None
-        log.warning("%r: quarantined %s (%s) as %s", self, path, why, dest)
+        log.warning("%r: quarantined %s (%s) as %s", self, self._tree.path(*name), why, dest)
         return _QUARANTINED
 
     async def close(self) -> None:
@@ -355,7 +331,7 @@ class FileConnector(BaseConnector):
             size = (await self._ready()).get(key)
             if size is None:
                 return None
-            path = self.path_for(key)
+            opener = functools.partial(self._tree.open_object, self._name(key))
             # Only padded records are read with O_DIRECT: their payload starts on a block, so a
             # buffer placed at the data's phase also keeps the payload aligned in memory.
             phase = self._phases.get(key)
@@ -371,7 +347,7 @@ class FileConnector(BaseConnector):
                     filled = fill_hook(alloc) if given is not None else None
                     try:
                         await _in_thread(
-                            lambda stop: read_object(path, key, buf, filled, stop, direct)  # noqa: B023
+                            functools.partial(read_object, opener, key, buf, filled, direct=direct)
                         )
                         break
                     except SizeChanged as changed:  # another record now: no phase known
@@ -402,16 +378,30 @@ class FileConnector(BaseConnector):
         A put may have replaced the file since the read, hence the second look; a broken file
         is quarantined, another key's file (a hash collision) is left alone.
         """
-        path = self.path_for(key)
+        name = self._name(key)
         async with self._keys.hold(key):
             try:
-                found = await _in_thread(lambda stop: self._check_file(path))
+                found = await _in_thread(lambda stop: self._recheck(name))
             except OSError as exc:
-                raise Unavailable(f"{self!r}: checking {path}: {exc}") from exc
+                raise Unavailable(f"{self!r}: checking {self.path_for(key)}: {exc}") from exc
             if found is _QUARANTINED:
                 self.corrupt_files += 1
             if not (isinstance(found, rec.Record) and found.key == key):
                 self._forget(key)
+
+    def _recheck(self, name: Name) -> rec.Record | _Quarantined | None:
+        """_check_file of ``name``, where a link (on the way or in its place) counts as no file."""
+        try:
+            leaf = self._tree.open_leaf(name[0], name[1])
+            if leaf is None:
+                return None
+            try:
+                return self._check_file(leaf, name)
+            finally:
+                os.close(leaf)
+        except Symlink as link:
+            self._skip_link(link)
+            return None
 
     def _forget(self, key: str) -> None:
         assert self._index is not None
@@ -454,17 +444,22 @@ class FileConnector(BaseConnector):
             )
         with self._op():
             index = await self._ready()
-            path = self.path_for(key)
+            name = self._name(key)
             head, body, data_offset = self._layout(key, size, parts)
             phase = data_offset % rec.DIO_ALIGN if body is not None else None
             async with self._keys.hold(key):
                 reservation = await self._make_room(size - index.get(key, 0))
                 try:
                     fsync_error = await _in_thread(
-                        lambda stop: self._write(path, head, body, stop),
+                        lambda stop: self._write(name, head, body, stop),
                         lambda _: self._commit(key, size, phase),
                     )
                     self._commit(key, size, phase)
+                except Symlink as link:
+                    raise ConfigError(
+                        f"{self!r}: cannot put {key!r}: {link.path} is a symlink, and file:// "
+                        "never writes through links inside its directory; remove it"
+                    ) from None
                 except OSError as exc:
                     if exc.errno in _DISK_FULL:
                         raise CapacityError(f"{self!r}: disk full writing {size} bytes") from exc
@@ -472,7 +467,9 @@ class FileConnector(BaseConnector):
                 finally:
                     self._release(reservation)
                 if fsync_error is not None:
-                    raise Unavailable(f"{self!r}: fsync of {path}'s directory: {fsync_error}")
+                    raise Unavailable(
+                        f"{self!r}: fsync of {self.path_for(key)}'s directory: {fsync_error}"
+                    )
 
     def _layout(
         self, key: str, size: int, parts: list[memoryview]
@@ -496,56 +493,61 @@ class FileConnector(BaseConnector):
 
     def _write(
         self,
-        path: str,
+        name: Name,
         lead: Sequence[memoryview],
         body: memoryview | None,
         stop: threading.Event,
     ) -> OSError | None:
-        """Write a temp file and rename it to ``path``. Returns a failed directory fsync (the
-        object is in place by then, so the caller commits it and reports the error)."""
+        """Write a temp file and rename it to ``name``'s place. Returns a failed directory
+        fsync (the object is in place by then, so the caller commits it and reports the
+        error). Raises Symlink, having written nothing, where a link is on the way."""
         if stop.is_set():
             raise rec.Stopped
-        self._make_dirs(os.path.dirname(path))
-        tmp = os.path.join(self._tmp, f"{os.path.basename(path)}.{secrets.token_hex(8)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        fd = self._open_for_write(tmp, flags, direct=body is not None)
+        leaf = self._tree.open_leaf(name[0], name[1], create=True, fsync=self.fsync_dir)
+        assert leaf is not None
         try:
+            self._tree.check_not_link(leaf, name)  # fail before writing, not at the rename
+            tmp = f"{name[2]}.{secrets.token_hex(8)}"
+            fd = self._open_for_write(tmp, direct=body is not None)
             try:
-                if body is not None and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-                    self._write_direct(fd, lead, body, stop)
-                else:
-                    rec.write_all(fd, [*lead, *([] if body is None else [body])], stop)
-                if stop.is_set():  # no need to make durable what will not be kept
+                try:
+                    if body is not None and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                        self._write_direct(fd, lead, body, stop)
+                    else:
+                        rec.write_all(fd, [*lead, *([] if body is None else [body])], stop)
+                    if stop.is_set():  # no need to make durable what will not be kept
+                        raise rec.Stopped
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if stop.is_set():  # cancelled: a cancelled put should not take effect
                     raise rec.Stopped
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if stop.is_set():  # cancelled: a cancelled put should not take effect
-                raise rec.Stopped
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quiet(tmp)
-            raise
-        if self.fsync_dir:
-            try:
-                _fsync_dir(os.path.dirname(path))
-            except OSError as exc:
-                return exc
-        return None
+                self._tree.commit_tmp(tmp, leaf, name)
+            except BaseException:
+                self._tree.unlink_tmp(tmp)
+                raise
+            if self.fsync_dir:
+                try:
+                    os.fsync(leaf)
+                except OSError as exc:
+                    return exc
+            return None
+        finally:
+            os.close(leaf)
 
-    def _open_for_write(self, tmp: str, flags: int, *, direct: bool) -> int:
-        """Open the temp file, with O_DIRECT when asked and the filesystem takes it (else
+    def _open_for_write(self, tmp: str, *, direct: bool) -> int:
+        """Create the temp file, with O_DIRECT when asked and the filesystem takes it (else
         buffered, and direct_io is switched off: it would fail every time)."""
         if direct and self.direct_io:
             try:
-                return os.open(tmp, flags | os.O_DIRECT, 0o644)
+                return self._tree.open_tmp(tmp, os.O_WRONLY | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                _unlink_quiet(tmp)  # Linux creates the file before it refuses O_DIRECT
+                self._tree.unlink_tmp(tmp)  # Linux creates the file before it refuses O_DIRECT
                 self._refuse_direct("an open")
-        return os.open(tmp, flags, 0o644)
+        return self._tree.open_tmp(tmp, os.O_WRONLY)
 
     def _write_direct(
         self, fd: int, lead: Sequence[memoryview], body: memoryview, stop: threading.Event
@@ -566,17 +568,6 @@ class FileConnector(BaseConnector):
         if self.direct_io:
             self.direct_io = False
             log.warning("%r: the filesystem refused O_DIRECT (%s); direct_io is off", self, what)
-
-    def _make_dirs(self, leaf: str) -> None:
-        if os.path.isdir(leaf):
-            return
-        for d in (os.path.dirname(leaf), leaf):
-            try:
-                os.mkdir(d)
-            except FileExistsError:
-                continue
-            if self.fsync_dir:  # the new directory's own entry must survive a crash too
-                _fsync_dir(os.path.dirname(d))
 
     def _commit(self, key: str, size: int, phase: int | None) -> None:
         """Index a written record; ``phase`` is its data's, if it was padded for O_DIRECT."""
@@ -615,9 +606,9 @@ class FileConnector(BaseConnector):
             self._reserved += reservation
             try:
                 if victims:
-                    paths = [self.path_for(v) for v in victims]
+                    names = [self._name(v) for v in victims]
                     async with self._keys.hold(*victims):  # no put of a victim until it is gone
-                        await _in_thread(functools.partial(_unlink_all, paths))
+                        await _in_thread(functools.partial(self._remove_all, names))
                     if not fits:
                         continue  # things moved while we unlinked: look again
                 if fits:
@@ -634,6 +625,16 @@ class FileConnector(BaseConnector):
                 self._release(reservation)
                 raise
 
+    def _remove_all(self, names: Sequence[Name], stop: threading.Event) -> None:
+        for name in names:  # short work: no need to stop halfway
+            self._remove(name)
+
+    def _remove(self, name: Name) -> None:
+        try:
+            self._tree.remove_object(name)
+        except Symlink as link:
+            self._skip_link(link)
+
     def _release(self, reservation: int) -> None:
         self._reserved -= reservation
         self._room.set()  # wake puts waiting in _make_room
@@ -645,9 +646,9 @@ class FileConnector(BaseConnector):
                 if key not in index:
                     return False
                 self._forget(key)
-                path = self.path_for(key)
+                name = self._name(key)
                 try:
-                    await _in_thread(lambda stop: _unlink_quiet(path))
+                    await _in_thread(lambda stop: self._remove(name))
                 except OSError as exc:
                     raise Unavailable(f"{self!r}: deleting {key!r}: {exc}") from exc
                 return True

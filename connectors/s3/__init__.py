@@ -14,6 +14,8 @@
   request; a request moves at most one part or range, so the bound fits any object size.
 - Errors (``errors.py``): mapped to kvgate's kinds in one place; messages never hold secrets.
 - One client per connector (``client.py``), built on first use, closed by ``close()``.
+- Stale multipart uploads (``sweep.py``): the tier's own uploads under the prefix that a dead
+  process left are aborted at first use and on a schedule, in a task that ``close()`` cancels.
 """
 
 from connectors.s3.connector import S3Connector

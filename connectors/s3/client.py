@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aioboto3  # type: ignore[import-untyped]
@@ -89,13 +89,24 @@ async def open_client(session: Any, options: S3Options, stack: contextlib.AsyncE
     return client
 
 
-class S3Client:
-    """The connector's client, its bucket and options, and its background aborts."""
+Janitor = Callable[["S3Client"], Coroutine[Any, Any, None]]
 
-    def __init__(self, location: Location, options: S3Options, where: str) -> None:
+
+class S3Client:
+    """The connector's client, its bucket and options, its background aborts, and its
+    janitor: a task started once the client is ready (the sweep of stale uploads) and
+    cancelled by ``close``."""
+
+    def __init__(
+        self, location: Location, options: S3Options, where: str, janitor: Janitor | None = None
+    ) -> None:
         self.bucket = location.bucket
         self.options = options
         self.where = where
+        self.uploads: set[str] = set()
+        """Ids of this connector's multipart uploads in progress (or being aborted)."""
+        self._janitor = janitor
+        self._janitor_task: asyncio.Task[None] | None = None
         self._client: Any = None
         self._checked = not (options.check_bucket or options.create_bucket)
         self._lock = asyncio.Lock()
@@ -121,6 +132,8 @@ class S3Client:
                     async with asyncio.timeout(self.options.request_timeout):
                         await self._check_bucket(self._client)
                     self._checked = True
+            if self._janitor is not None and self._janitor_task is None:
+                self._janitor_task = asyncio.ensure_future(self._janitor(self))
         return self._client
 
     async def _check_bucket(self, client: Any) -> None:
@@ -159,6 +172,10 @@ class S3Client:
         self._closed = True
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        async with self._lock:
+        async with self._lock:  # under the lock: a get() building the client has started it
+            if self._janitor_task is not None:
+                self._janitor_task.cancel()
+                # wait, not await: a cancellation of close() itself must not be swallowed here
+                await asyncio.wait([self._janitor_task])
             self._client = None
             await self._stack.aclose()

@@ -24,6 +24,10 @@ MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB
 """S3 rejects multipart parts smaller than this (all but the last part)."""
 MAX_PARTS = 10_000
+DEFAULT_STALE_UPLOAD_AGE = 3600.0
+"""An hour: longer than any upload of a live gateway, so a sweep aborts only dead ones."""
+MAX_SWEEP_PERIOD = 30 * 86400.0
+"""Longest period between sweeps of stale multipart uploads (asyncio sleeps are bounded)."""
 MAX_PREFIX = 512
 """Bytes of URL prefix: the rest of S3's 1024-byte names is left for the keys."""
 
@@ -76,6 +80,23 @@ class S3Options(StrictOptions):
         "needs s3:ListBucket)",
     )
     batch_concurrency: int = Field(default=16, ge=1)
+    abort_uploads_older_than: float | None = Field(
+        default=DEFAULT_STALE_UPLOAD_AGE,
+        ge=0,
+        allow_inf_nan=False,
+        description="seconds: multipart uploads of this tier's object names under the prefix "
+        "that were initiated longer ago are aborted (left by puts that died with their "
+        "process), once the client starts and every abort_uploads_every seconds; 0: every one "
+        "but this connector's own in flight; None: never. Keep it above the longest upload of "
+        "any gateway sharing the prefix, plus the clock skew to the server",
+    )
+    abort_uploads_every: float | None = Field(
+        default=3600.0,
+        gt=0,
+        le=MAX_SWEEP_PERIOD,
+        allow_inf_nan=False,
+        description="seconds between those sweeps, after the first; None: only the first",
+    )
 
     @field_validator("endpoint_url")
     @classmethod

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import math
 import os
 import uuid
 import warnings
@@ -12,15 +14,15 @@ from typing import Any, ClassVar, Self
 
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
-from connectors.s3 import names
+from connectors.s3 import names, sweep
 from connectors.s3.client import S3Client, new_session, open_client
-from connectors.s3.config import Location, S3Options, parse
+from connectors.s3.config import DEFAULT_STALE_UPLOAD_AGE, Location, S3Options, parse
 from connectors.s3.download import download
 from connectors.s3.errors import is_missing, s3_errors
 from connectors.s3.upload import upload
 from gateway.baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector, as_parts
-from gateway.errors import GatewayError, InvalidKey
+from gateway.errors import ConfigError, GatewayError, InvalidKey
 from gateway.inflight import InFlight
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
@@ -41,7 +43,13 @@ class S3Connector(BaseConnector):
         self.prefix = location.prefix
         self.batch_concurrency = self.options.batch_concurrency
         self._names = names.Naming(location.prefix)
-        self._client = S3Client(location, self.options, repr(self))
+        max_age, every = self.options.abort_uploads_older_than, self.options.abort_uploads_every
+        janitor = None
+        if max_age is not None:
+            janitor = functools.partial(
+                sweep.sweep_now_and_then, naming=self._names, max_age=max_age, every=every
+            )
+        self._client = S3Client(location, self.options, repr(self), janitor)
         self._in_flight = InFlight()
         self._closed = False
 
@@ -130,6 +138,19 @@ class S3Connector(BaseConnector):
             return True
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    async def abort_stale_uploads(self, older_than: float | None = None) -> int:
+        """Sweep now: abort this tier's multipart uploads under the prefix that were initiated
+        more than ``older_than`` seconds ago (default: ``abort_uploads_older_than``, or an hour
+        when that is None); how many were aborted."""
+        if older_than is None:
+            older_than = self.options.abort_uploads_older_than
+        if older_than is None:
+            older_than = DEFAULT_STALE_UPLOAD_AGE
+        if not 0 <= older_than < math.inf:
+            raise ConfigError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
+        with self._op():
+            return await sweep.sweep(self._client, self._names, older_than)
 
     async def ping(self) -> bool:
         await self.exists("kvgate-ping")

@@ -34,6 +34,8 @@ _HASH_HEX = 40  # 160 bits
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-")
 _ESCAPE = [chr(b) if b in _SAFE else f"_{b:02X}" for b in range(256)]
 _ESCAPED_RE = re.compile(r"_([0-9A-F]{2})|([A-Za-z0-9-])")
+_ESCAPED_CHARS_RE = re.compile(r"[A-Za-z0-9_-]+")  # a hashed name's kept text may end mid-escape
+_HASH_RE = re.compile(rf"[0-9a-f]{{{_HASH_HEX}}}")
 
 
 def escape(key: str) -> str:
@@ -103,6 +105,21 @@ class Naming:
         if any(len(s) != SEGMENT for s in segments[:-1]) or not 0 < len(segments[-1]) <= SEGMENT:
             return None
         return unescape("".join(segments))
+
+    def is_ours(self, name: str) -> bool:
+        """Whether ``name`` is one that ``object_name`` gives for some key (plain or hashed)."""
+        if self.key_of(name) is not None:
+            return True
+        body = name[len(self.prefix) :] if name.startswith(self.prefix) else ""
+        head, bang, digest = body.rpartition("!")
+        segments = head.split("/")
+        return (
+            bool(bang)
+            and _HASH_RE.fullmatch(digest) is not None
+            and all(len(s) == SEGMENT for s in segments[:-1])
+            and 0 < len(segments[-1]) <= SEGMENT
+            and all(_ESCAPED_CHARS_RE.fullmatch(s) for s in segments)
+        )
 
 
 def shown(name: str) -> str:

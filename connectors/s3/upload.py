@@ -9,8 +9,10 @@ connector's ``max_concurrency`` slots.
 A failed upload is aborted before the error reaches the caller, so no parts are left behind to
 be billed. A cancelled one (a tier timeout) is aborted in the background instead, so that the
 cancellation is not held up by a request to a server that may be gone; ``close()`` waits for
-those aborts. An abort that fails too (the server is down) is logged: the parts stay until a
-bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
+those aborts. An abort that fails too (the server is down), or one that never ran (the
+process died), leaves the upload to the connector's sweep (``sweep.py``) or a bucket lifecycle
+rule (``AbortIncompleteMultipartUpload``). Uploads in progress are in ``client.uploads``, so
+that this connector's sweep never aborts them.
 
 Bodies are views of the caller's buffers (``PartsBody``): nothing is joined or copied, also
 for a part that straddles two of them (the frame header and the payload).
@@ -53,14 +55,16 @@ async def upload(
                 Bucket=client.bucket, Key=name, Metadata=metadata
             )
         upload_id: str = created["UploadId"]
+        client.uploads.add(upload_id)
         try:
             await _upload_parts(client, s3, name, upload_id, parts, size)
         except asyncio.CancelledError:
-            client.spawn(_abort(client, s3, name, upload_id))
+            client.spawn(_abort_or_warn(client, s3, name, upload_id))
             raise
         except BaseException:
-            await asyncio.shield(client.spawn(_abort(client, s3, name, upload_id)))
+            await asyncio.shield(client.spawn(_abort_or_warn(client, s3, name, upload_id)))
             raise
+        client.uploads.discard(upload_id)
 
 
 async def _upload_parts(
@@ -94,19 +98,29 @@ async def _upload_parts(
         )
 
 
-async def _abort(client: S3Client, s3: Any, name: str, upload_id: str) -> None:
+async def abort(client: S3Client, s3: Any, name: str, upload_id: str) -> Exception | None:
+    """Abort an upload; the error if that failed (an upload already gone is not one)."""
     try:
         async with asyncio.timeout(client.options.request_timeout):
             await s3.abort_multipart_upload(Bucket=client.bucket, Key=name, UploadId=upload_id)
     except Exception as exc:
-        if code_of(exc) == "NoSuchUpload":  # a cancelled complete went through after all
-            return
+        # NoSuchUpload: a cancelled complete went through after all, or another sweep was first
+        return None if code_of(exc) == "NoSuchUpload" else exc
+    return None
+
+
+async def _abort_or_warn(client: S3Client, s3: Any, name: str, upload_id: str) -> None:
+    try:
+        error = await abort(client, s3, name, upload_id)
+    finally:
+        client.uploads.discard(upload_id)  # now the sweep's, if the abort failed
+    if error is not None:
         log.warning(
             "%s: could not abort multipart upload %s of %s (%s: %s); its parts stay until a "
-            "lifecycle rule removes them",
+            "sweep or a lifecycle rule removes them",
             client.where,
             upload_id,
             shown(name),
-            type(exc).__name__,
-            exc,
+            type(error).__name__,
+            error,
         )

@@ -10,6 +10,7 @@ install points at another one.
 from __future__ import annotations
 
 import os
+import signal
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,6 +58,16 @@ class Kvgate:
         """SIGKILL: no shutdown, no flush; what is not on a lower tier yet is gone."""
         self.process.kill()
         self.process.proc = None
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, as an orchestrator stops a container; the exit status once it is gone
+        (``subprocess.TimeoutExpired`` after ``timeout`` s: the caller's teardown kills it)."""
+        proc = self.process.proc
+        assert proc is not None
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout)
+        self.process.proc = None
+        return code
 
     def stop(self) -> None:
         self.process.stop()

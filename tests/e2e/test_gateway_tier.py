@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from servers.proc import in_ci
 
 from e2e.deployment import Deployment
 from e2e.objects import bf16_tensor, unique
 from gateway.store import Store
 
-torch = pytest.importorskip("torch")
+try:
+    import torch
+except ImportError:  # pragma: no cover - CI installs torch
+    if in_ci():
+        raise
+    pytest.skip("the tensors come back as torch tensors", allow_module_level=True)
 
 
 def downstream(deployment: Deployment) -> Store:

@@ -1,13 +1,16 @@
-"""SIGKILL the deployed gateway, start it again on the same config and ports, and see what the
-new process serves.
+"""Stop the deployed gateway (SIGKILL, or SIGTERM as an orchestrator does), start it again on
+the same config and ports, and see what the new process serves.
 
 What a 204 promises (README, "What a returned put promises"): a durable put is in every tier,
 so it survives; a write-back put survives once ``POST /v1/flush`` has answered. A write-back
 put that was still queued when the process died may be lost: it is then a miss, never a wrong
-or broken object.
+or broken object. A clean stop (SIGTERM) closes the store, which writes every queued put down
+first.
 """
 
 from __future__ import annotations
+
+import signal
 
 import httpx
 
@@ -66,3 +69,28 @@ async def test_durable_and_flushed_objects_survive_sigkill(
         assert sum(t["hits"] for t in tiers[1:]) >= len(durable) + len(flushed)
     async with LmConnector.from_url(f"lm://127.0.0.1:{gateway.lm_port}") as lm:
         assert bytes(await lm.get(lm_key) or b"") == lm_bytes
+
+
+async def test_a_clean_stop_writes_every_queued_put_down(
+    deployment: Deployment, http: httpx.AsyncClient
+) -> None:
+    gateway = deployment.gateway
+    queued = tensors(unique("sigterm"), 8, seed=400)
+    for tensor in queued:
+        await tensor.put(http)  # write-back, no flush
+    await http.aclose()
+    pid = gateway.pid
+    # uvicorn shuts down, then re-raises the signal it caught: a clean stop exits by SIGTERM.
+    assert gateway.terminate() in (0, -signal.SIGTERM)
+    log = gateway.log()
+    assert "Application shutdown complete." in log[log.index(f"Started server process [{pid}]") :]
+    gateway.start()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as fresh:
+        for tensor in queued:
+            answer = await fresh.get(f"/v1/objects/{tensor.key}")
+            assert tensor.served_by(answer), (tensor.key, answer.status_code)
+    # Every tier, not only the first below memory: Redis and S3 have them all.
+    redis_keys, s3_names = deployment.redis_keys(), deployment.s3_names()
+    for tensor in queued:
+        assert deployment.redis_main_key(tensor.key) in redis_keys
+        assert deployment.s3_name(tensor.key) in s3_names

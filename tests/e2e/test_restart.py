@@ -57,6 +57,10 @@ async def test_durable_and_flushed_objects_survive_sigkill(
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as fresh:
         tiers = (await fresh.get("/v1/tiers")).json()["tiers"]
         assert tiers[0]["used_bytes"] == 0  # a new process: nothing in memory
+        # Before any get promotes them: the lower tiers alone answer for every key.
+        keys = [t.key for t in (*durable, *flushed)]
+        lookup = await fresh.post("/v1/lookup", json={"keys": keys})
+        assert lookup.json()["prefix"] == len(keys)
         for tensor in (*durable, *flushed):
             answer = await fresh.get(f"/v1/objects/{tensor.key}")
             assert tensor.served_by(answer), (tensor.key, answer.status_code)

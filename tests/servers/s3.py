@@ -60,6 +60,10 @@ class S3Server:
 
     grpc_sockets: list[Path] = field(default_factory=list)
 
+    def client(self) -> Any:
+        """A plain synchronous boto3 client, for reaching around the connector."""
+        return _boto_client(self)
+
     def start(self) -> None:
         """(Re)start the server on the same ports and wait until the bucket answers."""
         self._remove_sockets()

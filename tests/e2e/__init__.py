@@ -1,0 +1,1 @@
+"""End-to-end: ``kvgate serve`` as users deploy it, in subprocesses, against real servers."""

@@ -348,6 +348,25 @@ def serve(
     lm_port: Annotated[
         int | None, typer.Option(help="also serve LMCache's lm:// protocol on this port")
     ] = None,
+    lm_host: Annotated[
+        str,
+        typer.Option(help="lm:// bind address; lm:// has no authentication: see --lm-public"),
+    ] = "127.0.0.1",
+    lm_public: Annotated[
+        bool,
+        typer.Option(
+            "--lm-public",
+            help="allow a non-loopback --lm-host: whoever reaches it reads and overwrites "
+            "every object, --token or not",
+        ),
+    ] = False,
+    lm_idle_timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="close lm:// connections idle this long (LMCache's client never reconnects)",
+        ),
+    ] = None,
     max_body: Annotated[str, typer.Option(help="largest request body")] = "1GiB",
     body_timeout: Annotated[
         float, typer.Option(min=0.001, help="seconds a request body may stall (then 408)")
@@ -364,6 +383,15 @@ def serve(
         err.print(
             f"refusing to bind {host}: a non-loopback address needs a bearer token "
             "(--token or $KVGATE_TOKEN)"
+        )
+        raise typer.Exit(2)
+    if lm_port is not None and not lm_public and not _is_loopback(lm_host):
+        # lm:// (LMCache's protocol) has no authentication: the token does not protect it.
+        err.print(
+            f"refusing to serve lm:// on {lm_host}: lm:// has no authentication, so anyone "
+            "who reaches the port could read and overwrite every object"
+            + (", whatever --token protects over HTTP" if token else "")
+            + "; pass --lm-public to expose it anyway"
         )
         raise typer.Exit(2)
     try:
@@ -385,7 +413,7 @@ def serve(
         redact_url(t.url) + (f" ({t.capacity:,} B)" if t.capacity else "") for t in cfg.tiers
     )
     auth = "bearer token required" if token else "no authentication (loopback only)"
-    lm = f", lm://{host}:{lm_port}" if lm_port is not None else ""
+    lm = f", lm://{lm_host}:{lm_port} (no authentication)" if lm_port is not None else ""
     typer.echo(
         err=True, message=f"kvgate serving on http://{host}:{port}{lm}; {auth}; tiers: {tiers}"
     )
@@ -395,8 +423,9 @@ def serve(
         max_body=parse_size(max_body),
         body_timeout=body_timeout,
         body_min_rate=parse_size(body_min_rate),
-        lm_host=host,
+        lm_host=lm_host,
         lm_port=lm_port,
+        lm_idle_timeout=lm_idle_timeout,
     )
     # uvloop and httptools when installed ("auto"); the plain asyncio loop and h11 otherwise.
     uvicorn.run(application, host=host, port=port, log_level=log_level, loop="auto", http="auto")

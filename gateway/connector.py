@@ -97,6 +97,30 @@ def limiting_reads(nbytes: int) -> Iterator[None]:
         _READ_LIMIT.reset(token)
 
 
+_DURABLE: ContextVar[bool] = ContextVar("kvgate_durable_write", default=False)
+
+
+def durable_write() -> bool:
+    """Whether the write under way must be durable end to end (a durable put).
+
+    Most connectors are durable as soon as ``put`` returns, or as durable as their backend;
+    one whose backend is itself a write-back cache (``gateway://``, another kvgate) asks it
+    to write through when this is true. A context variable, like ``read_limit``, so that it
+    reaches ``put`` through every layer without widening the Connector protocol.
+    """
+    return _DURABLE.get()
+
+
+@contextlib.contextmanager
+def writing_durably(durable: bool = True) -> Iterator[None]:
+    """``durable_write()`` is ``durable`` inside this block (and in tasks started from it)."""
+    token = _DURABLE.set(durable)
+    try:
+        yield
+    finally:
+        _DURABLE.reset(token)
+
+
 @runtime_checkable
 class Connector(Protocol):
     """The whole interface the core uses. ``BaseConnector`` supplies the batch defaults."""

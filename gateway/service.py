@@ -116,6 +116,7 @@ def create_app(
     body_min_rate: int = DEFAULT_BODY_MIN_RATE,
     lm_host: str = "127.0.0.1",
     lm_port: int | None = None,
+    lm_idle_timeout: float | None = None,
 ) -> FastAPI:
     """The kvgate HTTP app over a Store built from ``config``.
 
@@ -126,7 +127,9 @@ def create_app(
     ``budget_wait`` seconds, then gets 503. ``body_timeout``: seconds a request body may stall
     before the request fails with 408; ``body_min_rate``: bytes per second a body must average
     after its first ``body_timeout`` seconds (0: any rate). ``lm_port``: also serve LMCache's
-    lm:// protocol there, on the same Store.
+    lm:// protocol there (on ``lm_host``), on the same Store; it has no authentication, so the
+    caller decides whether ``lm_host`` may be public (``kvgate serve`` refuses that unless told).
+    ``lm_idle_timeout``: close lm:// connections idle that long (None: keep them).
     """
     state = ServiceState(Store(config), max_body=max_body, body_pool_size=body_pool)
     state.body_budget = ByteBudget(body_budget or 2 * max_body, budget_wait)
@@ -141,7 +144,7 @@ def create_app(
             if lm_port is not None:
                 from gateway.lmserver import close_lm, serve_lm  # only when asked for
 
-                server = await serve_lm(state.store, lm_host, lm_port)
+                server = await serve_lm(state.store, lm_host, lm_port, idle_timeout=lm_idle_timeout)
                 stack.push_async_callback(close_lm, server)  # before the store closes
             state.ready = True
             try:

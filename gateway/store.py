@@ -28,7 +28,7 @@ from typing import Any, Self
 from urllib.parse import urlsplit
 
 from gateway.config import StoreConfig, TierConfig, load_config
-from gateway.connector import Connector
+from gateway.connector import Connector, writing_durably
 from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
 from gateway.inflight import InFlight
 from gateway.jobs import Hold, TierWriter, WriteJob
@@ -397,9 +397,10 @@ class Store:
                 writer.release(key, mark, ok)
 
         try:
-            errors = await asyncio.gather(
-                *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
-            )
+            with writing_durably(durable):  # a gateway:// tier asks its remote to write through
+                errors = await asyncio.gather(
+                    *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
+                )
         finally:  # children cancelled before they ran never reached their own release
             for writer, mark in zip(self.writers, marks, strict=True):
                 writer.release(key, mark, False)

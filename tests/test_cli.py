@@ -56,3 +56,15 @@ def test_bench_disk_tier_table(tmp_path: Path) -> None:
 def test_serve_refuses_non_loopback() -> None:
     result = runner.invoke(app, ["serve", "--host", "0.0.0.0"])
     assert result.exit_code == 2
+
+
+def test_serve_keeps_lm_private_unless_told() -> None:
+    """lm:// has no authentication: a public lm:// bind is refused, with a token too."""
+    for args in (
+        ["serve", "--lm-port", "9999", "--lm-host", "0.0.0.0"],
+        ["serve", "--token", "T0KEN", "--host", "0.0.0.0", "--lm-port", "9999", "--lm-host", "::"],
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2
+        assert "--lm-public" in result.output
+        assert "T0KEN" not in result.output

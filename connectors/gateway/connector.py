@@ -5,7 +5,9 @@ has a deadline (``timeout``, around the whole call) and goes through ``errors.py
 
 - put: a frame goes with ``Content-Type: application/vnd.kvgate.frame``, streamed from the
   tier's scatter list with an explicit length (no join); anything else goes as opaque bytes
-  (``wire.py``), and so does a frame the remote refuses as corrupt or cannot decode.
+  (``wire.py``), and so does a frame the remote refuses as corrupt or cannot decode. A
+  durable put's write (``durable_write()``) asks the remote for one too (``x-kvgate-durable``),
+  so the promise holds through a chain of gateways.
 - get: ``Accept: application/vnd.kvgate.frame`` with ``x-kvgate-codec`` (the ``codec`` option,
   raw by default): the frame comes back as the remote encoded it; 404 is a miss.
 - exists is HEAD, delete is DELETE. ``list`` is unsupported (``capabilities.list`` is False):
@@ -26,7 +28,7 @@ import httpx
 from connectors.gateway import wire
 from connectors.gateway.config import Endpoint, GatewayOptions, parse, tls_verify
 from connectors.gateway.errors import error_for, remote_kind, transport_errors
-from gateway.connector import BaseConnector, as_parts
+from gateway.connector import BaseConnector, as_parts, durable_write
 from gateway.errors import GatewayError, InvalidKey
 from gateway.inflight import InFlight
 from gateway.keys import MAX_KEY_BYTES
@@ -128,6 +130,8 @@ class GatewayConnector(BaseConnector):
         self, remote: str, parts: list[memoryview], total: int, media: str = wire.BYTES_TYPE
     ) -> None:
         headers = {"content-type": media, "content-length": str(total)}
+        if durable_write():  # a durable put: the remote writes all its tiers before answering
+            headers["x-kvgate-durable"] = "true"
         with self._op("PUT") as where:
             response = await self._request(
                 "PUT", wire.object_path(remote), content=_stream(parts), headers=headers

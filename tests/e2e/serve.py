@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,15 +81,20 @@ class Kvgate:
 
 
 def kvgate_serve(
-    work_dir: Path, *, config: Path | None = None, env: Mapping[str, str] | None = None
+    work_dir: Path,
+    *,
+    config: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    args: Sequence[str] = (),
 ) -> Kvgate:
-    """A ``kvgate serve --port P --lm-port L [--config FILE]`` (not started) run in
+    """A ``kvgate serve --port P --lm-port L [--config FILE] [args]`` (not started) run in
     ``work_dir``, with ``env`` added to the cleaned environment."""
     kvgate = require_binary("kvgate", "pip install -e '.[test]'")
     port, lm_port = free_port(), free_port()
     argv = [kvgate, "serve", "--port", str(port), "--lm-port", str(lm_port)]
     if config is not None:
         argv += ["--config", str(config)]
+    argv += args
     clean = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN)}
     path = os.pathsep.join(p for p in (str(ROOT), clean.get("PYTHONPATH")) if p)
     process = ServerProcess(

@@ -35,8 +35,15 @@ from pydantic import Field
 
 from connectors._options import StrictOptions, parse_options, split_url
 from gateway.config import redact_url
-from gateway.connector import BaseConnector, as_parts
-from gateway.errors import ConfigError, GatewayError, InvalidKey, Timeout, Unavailable
+from gateway.connector import BaseConnector, as_parts, read_limit
+from gateway.errors import (
+    ConfigError,
+    CorruptObject,
+    GatewayError,
+    InvalidKey,
+    Timeout,
+    Unavailable,
+)
 from gateway.keys import Key
 from gateway.lmwire import (
     INT32_MAX,
@@ -207,6 +214,9 @@ class LmConnector(BaseConnector):
             reply = await conn.reply()
             if reply.code != Code.OK:
                 return None
+            limit = read_limit()
+            if limit is not None and reply.length > limit:  # the connection is dropped
+                raise CorruptObject(f"lm:// answered {reply.length} bytes, over {limit}")
             data = await conn.reader.readexactly(reply.length) if reply.length else b""
             return None if reply.is_tombstone else data
 

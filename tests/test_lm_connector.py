@@ -15,7 +15,8 @@ import pytest_asyncio
 from servers.proc import free_port
 
 from connectors.lm import LmConnector, parse_url, wire_key
-from gateway.errors import ConfigError, Timeout, Unavailable
+from gateway.connector import limiting_reads
+from gateway.errors import ConfigError, CorruptObject, Timeout, Unavailable
 from gateway.keys import Key
 from gateway.lmserver import close_lm, serve_lm
 from gateway.lmwire import KEY_BYTES
@@ -161,3 +162,19 @@ async def test_stock_server_tombstones(lmcache_server: str) -> None:
         assert not await conn.delete(LM_KEY)
         await conn.put(LM_KEY, b"again")
         assert await conn.get(LM_KEY) == b"again"
+
+
+async def test_an_answer_longer_than_the_reader_takes_is_refused_unread(
+    kvgate: tuple[Store, str],
+) -> None:
+    """The length in a GET reply is the server's word: over read_limit() it is corrupt, and
+    the connection is dropped before a byte of it is read."""
+    _, url = kvgate
+    conn = LmConnector.from_url(url)
+    try:
+        await conn.put("big", bytes(4 << 20))
+        with limiting_reads(1 << 20), pytest.raises(CorruptObject, match="over"):
+            await conn.get("big")
+        assert len(await conn.get("big") or b"") == 4 << 20  # no limit: read whole
+    finally:
+        await conn.close()

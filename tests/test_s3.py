@@ -21,8 +21,8 @@ from botocore.config import Config  # type: ignore[import-untyped]
 from servers.s3 import S3Server, tcp_proxy
 
 from connectors.s3 import S3Connector
-from gateway.connector import Connector
-from gateway.errors import ConfigError, InvalidKey, Timeout, Unavailable
+from gateway.connector import Connector, limiting_reads
+from gateway.errors import ConfigError, CorruptObject, InvalidKey, Timeout, Unavailable
 from gateway.registry import connect
 from gateway.store import Store
 from gateway.testing import assert_same_bytes, listed, make_bytes
@@ -535,3 +535,27 @@ async def test_connector_conforms_to_the_protocol(s3_server: S3Server) -> None:
     assert caps.persistent
     assert not caps.batch
     await conn.close()
+
+
+async def test_an_object_longer_than_the_reader_takes_is_refused_unallocated(
+    s3_server: S3Server, prefix: str
+) -> None:
+    """An S3 object's length is whatever was stored there: over read_limit() it is corrupt,
+    and nothing is allocated for it."""
+    conn = s3_connector(s3_server, prefix)
+    asked: list[int] = []
+
+    def alloc(n: int) -> None:
+        asked.append(n)
+
+    try:
+        await conn.put("big", bytes(4 * MiB))
+        with limiting_reads(MiB), pytest.raises(CorruptObject, match="over"):
+            await conn.get_into("big", alloc)
+        assert asked == []
+        got = await conn.get_into("big", alloc)  # no limit: read whole, into its own buffer
+        assert got is not None
+        assert got.nbytes == 4 * MiB
+        assert asked == [4 * MiB]
+    finally:
+        await conn.close()

@@ -29,8 +29,8 @@ from connectors.s3.client import S3Client
 from connectors.s3.errors import is_changed, is_missing, s3_errors
 from connectors.s3.names import shown
 from connectors.s3.transfer import limited, read_body_into, run_all, spans
-from gateway.connector import Allocator
-from gateway.errors import Unavailable
+from gateway.connector import Allocator, read_limit
+from gateway.errors import CorruptObject, Unavailable
 
 CHANGE_RETRIES = 3
 
@@ -98,6 +98,10 @@ async def _read_once(client: S3Client, name: str, target: _Target) -> memoryview
             raise
         body = resp["Body"]
         size = int(resp["ContentLength"])
+        limit = read_limit()
+        if limit is not None and size > limit:  # stored there by anyone: never an allocation
+            body.close()
+            raise CorruptObject(f"{shown(name)} is {size} bytes, over the {limit} a reader takes")
         try:
             buf = target.get(size)
         except BaseException:

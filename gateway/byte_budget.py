@@ -41,15 +41,6 @@ class ByteBudget:
         self.used += n
         return n
 
-    def try_acquire(self, nbytes: int) -> int | None:
-        """``acquire`` without waiting: what to ``release`` later, or None when it would wait
-        (the budget is short, or others wait already and come first)."""
-        n = min(nbytes, self.limit)
-        if self._waiters or self.used + n > self.limit:
-            return None
-        self.used += n
-        return n
-
     def release(self, n: int) -> None:
         """Give back what ``acquire`` returned; every waiter rechecks (sync: called from
         ``finally`` blocks)."""

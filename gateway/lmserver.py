@@ -19,9 +19,10 @@ of the same key sees them:
 What a client's numbers cannot do (the protocol has no authentication: see ``serve``):
 
 - make the server allocate: a PUT's payload buffer is a mapping of untouched pages that become
-  memory only as the bytes arrive, and every payload in receipt holds its length of one
-  server-wide ``ByteBudget`` (``payload_budget``), so declared lengths cost nothing and real
-  ones are bounded together; buffers kept between PUTs are bounded together too;
+  memory only as the bytes arrive, and the bytes received and not yet stored are charged, as
+  they arrive, to one server-wide ``ArrivalBudget`` (``payload_budget``): past it a connection
+  stops reading until stored payloads give bytes back. Declared lengths cost nothing, real ones
+  are bounded together; buffers kept between PUTs are bounded together too;
 - hold a connection: a request must arrive whole within ``request_timeout`` seconds of its
   first byte (a payload gets its length at ``min_rate`` more) and never stall that long, and a
   reply must be taken as fast; past that the connection is closed;
@@ -49,7 +50,7 @@ import weakref
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from gateway.byte_budget import ByteBudget
+from gateway.arrival_budget import ArrivalBudget
 from gateway.errors import GatewayError, InvalidKey
 from gateway.host_memory import anonymous_memory
 from gateway.keys import Key
@@ -110,12 +111,12 @@ async def serve_lm(
     gets ``length / min_rate`` more; no byte for ``request_timeout`` is too long whatever the
     length) and a reply to be taken. ``idle_timeout``: close a
     connection idle (between requests) that long; None keeps it (see the module docstring).
-    ``payload_budget``: bytes all payloads in receipt may hold together (default twice
-    ``max_payload``); a PUT past it waits up to ``request_timeout``, then its connection closes.
+    ``payload_budget``: bytes received and not yet stored, all connections together (default
+    twice ``max_payload``); past it a connection stops reading until some are stored.
     """
     await store.open()
     limit = min(max_payload or store.config.max_object_size, INT32_MAX)
-    budget = ByteBudget(payload_budget or 2 * limit, request_timeout)
+    budget = ArrivalBudget(payload_budget or 2 * limit)
     state = _Shared(store, limit, max_connections, request_timeout, idle_timeout, budget)
     state.min_rate = min_rate
     loop = asyncio.get_running_loop()
@@ -136,7 +137,7 @@ class _Shared:
         max_connections: int,
         request_timeout: float,
         idle_timeout: float | None,
-        budget: ByteBudget,
+        budget: ArrivalBudget,
     ) -> None:
         self.store = store
         self.max_payload = max_payload
@@ -216,13 +217,13 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.header = bytearray(REQUEST.size)
         self.buffer: memoryview = memoryview(b"")  # the payload buffer, reused across PUTs
-        self.reserved = 0  # payload budget held for the PUT being received
         self.target = memoryview(self.header)  # what get_buffer fills now
         self.got = 0
         self.request: Request | None = None
         self.deadline: float | None = None  # when the request being received must be whole
         self.last_byte = 0.0  # when the latest bytes arrived
         self.served = 0  # requests handled on this connection
+        self.parked_at: float | None = None  # reading stopped by the payload budget, since
         self.handling = False  # a request is being handled (reading is paused meanwhile)
         self.idle_since = asyncio.get_running_loop().time()
         self.task: asyncio.Task[None] | None = None
@@ -252,11 +253,11 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self.direct = None
         self._drop_buffer()
         if self.task is None or self.task.done():  # else the task gives it back as it ends
-            self._give_back()
+            self.shared.budget.release(self)
 
     def overdue(self, now: float) -> bool:
         """Whether the request being received is late: past its deadline, or stalled."""
-        if self.deadline is None:
+        if self.deadline is None or self.parked_at is not None:  # parked: the server's wait
             return False
         return now > self.deadline or now - self.last_byte > self.shared.request_timeout
 
@@ -286,7 +287,13 @@ class _LmProtocol(asyncio.BufferedProtocol):
         if self.deadline is None:  # the first bytes of a request
             self.deadline = now + self.shared.request_timeout
         self.got += nbytes
+        within = self.request is None or self.shared.budget.charge(self, nbytes)
         if self.got < len(self.target):
+            if not within:  # over the payload budget: wait for stored payloads to give back
+                assert self.transport is not None
+                self.transport.pause_reading()
+                self.parked_at = now
+                self.shared.budget.park(self)  # may resume it at once (see ArrivalBudget)
             return
         if self.request is None:
             self._header_done()
@@ -323,41 +330,28 @@ class _LmProtocol(asyncio.BufferedProtocol):
         if req.length > self.shared.max_payload:
             self._close(f"payload of {req.length} bytes over {self.shared.max_payload}")
             return
-        reserved = self.shared.budget.try_acquire(req.length)
-        if reserved is not None:
-            self._receive(req, reserved)
-            return
-        # The payloads in receipt hold the whole budget: wait for room, reading paused.
-        assert self.transport is not None
-        self.transport.pause_reading()
-        self.handling = True
-        self.task = asyncio.get_running_loop().create_task(self._reserve(req))
+        self._receive(req)
 
-    async def _reserve(self, req: Request) -> None:
-        try:
-            reserved = await self.shared.budget.acquire(req.length)
-        except GatewayError:
-            self.shared.note("budget", "payloads in receipt hold the whole budget: closed one")
-            self._close("payload budget")
+    def resume(self) -> None:
+        """The payload budget lets this connection read again (``ArrivalBudget.Receiver``)."""
+        if self.parked_at is None or self.transport is None or self.transport.is_closing():
             return
-        self.handling = False
-        assert self.transport is not None
-        if self.transport.is_closing():
-            self.shared.budget.release(reserved)
-            return
-        self._receive(req, reserved)
+        now = self._now()
+        if self.deadline is not None:  # the time parked was the server's, not the client's
+            self.deadline += now - self.parked_at
+        self.parked_at = None
+        self.last_byte = now
         self.transport.resume_reading()
 
-    def _receive(self, req: Request, reserved: int) -> None:
+    def _receive(self, req: Request) -> None:
         """Receive ``req``'s payload into the connection's buffer, from the next byte on."""
-        self.reserved = reserved
         if self.buffer.nbytes < req.length:
             self._drop_buffer()
             self.buffer = _untouched(req.length)
         self.request = req
         self.target = self.buffer[: req.length]
         self.got = 0
-        self.last_byte = now = self._now()  # the wait for the budget is not the client's stall
+        now = self._now()
         self.deadline = now + self.shared.request_timeout + req.length / self.shared.min_rate
 
     def _start(self, req: Request, payload: memoryview) -> None:
@@ -382,7 +376,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self._close("internal error")
             return
         finally:
-            self._give_back()
+            self.shared.budget.release(self)  # the store holds its own copy now
             self.handling = False
             self.idle_since = self._now()
             self.served += 1
@@ -393,11 +387,6 @@ class _LmProtocol(asyncio.BufferedProtocol):
         assert self.transport is not None
         if not self.transport.is_closing():
             self.transport.resume_reading()
-
-    def _give_back(self) -> None:
-        if self.reserved:
-            self.shared.budget.release(self.reserved)
-            self.reserved = 0
 
     def _keep_or_drop_buffer(self) -> None:
         """Keep the payload buffer for the next PUT unless it is large or too many are kept."""

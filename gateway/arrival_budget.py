@@ -8,8 +8,9 @@ a declaration costs nothing, and what is charged is memory really in use.
 
 A receiver whose bytes push the total over the limit is *parked*: it stops reading (TCP flow
 control makes its client wait) until stored payloads give bytes back. If every receiver that
-holds bytes is parked, none can finish and give any back; then the one parked first is
-resumed anyway, so memory stays within ``limit`` plus one payload and no upload starves.
+holds bytes is parked, none can finish and give any back; then the one parked first becomes
+*exempt*: it reads on past the limit until it gives its bytes back, and no other is let past
+meanwhile. So memory stays within ``limit`` plus one payload, and no upload starves.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ class ArrivalBudget:
         self.used = 0
         self._held: dict[Receiver, int] = {}  # bytes each receiver holds
         self._parked: dict[Receiver, None] = {}  # in the order they were parked
+        self._exempt: Receiver | None = None  # the one let past the limit (see the module)
 
     def charge(self, receiver: Receiver, nbytes: int) -> bool:
         """Count ``nbytes`` that arrived for ``receiver``; False when it should park."""
         self.used += nbytes
         self._held[receiver] = self._held.get(receiver, 0) + nbytes
-        return self.used <= self.limit
+        return self.used <= self.limit or receiver is self._exempt
 
     def park(self, receiver: Receiver) -> None:
         """``receiver`` stopped reading until ``resume``."""
@@ -48,6 +50,8 @@ class ArrivalBudget:
         stops waiting."""
         self.used -= self._held.pop(receiver, 0)
         self._parked.pop(receiver, None)
+        if receiver is self._exempt:
+            self._exempt = None
         if self.used < self.limit:
             for waiter in list(self._parked):  # each charges again as its bytes come
                 del self._parked[waiter]
@@ -58,12 +62,24 @@ class ArrivalBudget:
     def held(self, receiver: Receiver) -> int:
         return self._held.get(receiver, 0)
 
+    def room(self, receiver: Receiver, least: int) -> int | None:
+        """How many bytes ``receiver`` should read at most now: what is left under the limit
+        (at least ``least``, so reads stay worth their cost), or None for no bound (the
+        exempt one). Reading no more than this keeps the overshoot of each receiver that
+        charges past the limit to ``least`` bytes."""
+        if receiver is self._exempt:
+            return None
+        return max(least, self.limit - self.used)
+
     @property
     def parked(self) -> int:
         return len(self._parked)
 
     def _unstick(self) -> None:
-        if self._parked and all(r in self._parked for r in self._held):
+        if self._exempt is not None or not self._parked:
+            return  # one is past the limit already: it will give its bytes back
+        if all(r in self._parked for r in self._held):
             first = next(iter(self._parked))
             del self._parked[first]
+            self._exempt = first
             first.resume()

@@ -23,9 +23,9 @@ What a client's numbers cannot do (the protocol has no authentication: see ``ser
   they arrive, to one server-wide ``ArrivalBudget`` (``payload_budget``): past it a connection
   stops reading until stored payloads give bytes back. Declared lengths cost nothing, real ones
   are bounded together; buffers kept between PUTs are bounded together too;
-- hold a connection: a request must arrive whole within ``request_timeout`` seconds of its
-  first byte (a payload gets its length at ``min_rate`` more) and never stall that long, and a
-  reply must be taken as fast; past that the connection is closed;
+- hold a connection: a request must never stall for ``request_timeout`` seconds and, after
+  that long, must average ``min_rate`` bytes a second (so a trickle is closed long before its
+  end); a reply must be taken as fast; past that the connection is closed;
 - lock others out: ``max_connections`` bounds the connections, and a full server makes room
   for a new one by closing an idle one (between requests, for at least ``RECLAIM_IDLE`` s):
   first one that never sent a whole request (an idle flood's), then the one idle the longest;
@@ -48,6 +48,7 @@ import os
 import socket
 import weakref
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from gateway.arrival_budget import ArrivalBudget
@@ -84,12 +85,13 @@ D = TypeVar("D")
 KEEP_BUFFER = 64 << 20  # a connection keeps its receive buffer up to this size between PUTs
 KEEP_TOTAL = 256 << 20  # ... and all connections together keep at most this much
 MAP_FROM = 1 << 20  # payload buffers from this size on are mappings of untouched pages
+MIN_READ = 64 << 10  # the smallest read of a payload near the budget's limit
 DIRECT_SEND = 256 << 10  # GET payloads from this size on are sent without the transport
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_REQUEST_TIMEOUT = 30.0  # seconds a request may take to arrive, from its first byte
 MIN_RATE = 1 << 20  # bytes/s a payload, received or sent, must at least average
 RECLAIM_IDLE = 0.5  # seconds idle after which a full server may close a connection
-SWEEP_EVERY = 0.5  # seconds between checks of the connections' deadlines
+SWEEP_EVERY = 0.5  # seconds between checks of the connections' pace
 
 
 async def serve_lm(
@@ -107,9 +109,9 @@ async def serve_lm(
     """Start serving lm:// on ``host:port``; ``close_lm(server)`` stops it.
 
     ``max_payload``: the largest PUT (default and at most ``max_object_size``).
-    ``request_timeout``: seconds a request may take to arrive from its first byte (its payload
-    gets ``length / min_rate`` more; no byte for ``request_timeout`` is too long whatever the
-    length) and a reply to be taken. ``idle_timeout``: close a
+    ``request_timeout``: seconds a request may stall; after that long from its first byte it
+    must also average ``min_rate`` bytes a second (a header: arrive whole); the same bounds
+    taking a reply. ``idle_timeout``: close a
     connection idle (between requests) that long; None keeps it (see the module docstring).
     ``payload_budget``: bytes received and not yet stored, all connections together (default
     twice ``max_payload``); past it a connection stops reading until some are stored.
@@ -220,7 +222,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.target = memoryview(self.header)  # what get_buffer fills now
         self.got = 0
         self.request: Request | None = None
-        self.deadline: float | None = None  # when the request being received must be whole
+        self.started: float | None = None  # when the request being received began arriving
         self.last_byte = 0.0  # when the latest bytes arrived
         self.served = 0  # requests handled on this connection
         self.parked_at: float | None = None  # reading stopped by the payload budget, since
@@ -256,10 +258,14 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self.shared.budget.release(self)
 
     def overdue(self, now: float) -> bool:
-        """Whether the request being received is late: past its deadline, or stalled."""
-        if self.deadline is None or self.parked_at is not None:  # parked: the server's wait
+        """Whether the request being received is late: stalled for ``request_timeout``, or
+        behind its pace (after ``request_timeout`` s, ``min_rate`` bytes a second on average:
+        a trickle that would hold the connection for ever is late long before its end)."""
+        if self.started is None or self.parked_at is not None:  # parked: the server's wait
             return False
-        return now > self.deadline or now - self.last_byte > self.shared.request_timeout
+        timeout = self.shared.request_timeout
+        due = self.started + timeout + self.got / self.shared.min_rate
+        return now > due or now - self.last_byte > timeout
 
     def idle_for(self, now: float) -> float:
         """Seconds this connection has given the server nothing to do: between requests, or
@@ -267,8 +273,8 @@ class _LmProtocol(asyncio.BufferedProtocol):
         0 while a payload arrives or a request is handled."""
         if self.handling or self.request is not None:
             return 0.0
-        if self.deadline is not None:  # part of a header
-            return now - (self.deadline - self.shared.request_timeout)
+        if self.started is not None:  # part of a header
+            return now - self.started
         return now - self.idle_since
 
     def pause_writing(self) -> None:
@@ -278,14 +284,19 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.can_write.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        # Exactly the rest of the current header or payload: a read never crosses into the
+        # At most the rest of the current header or payload: a read never crosses into the
         # next request, so pipelined requests wait in the socket until this one is handled.
+        # A payload's read is also kept to what the payload budget has room for.
+        if self.request is not None:
+            room = self.shared.budget.room(self, MIN_READ)
+            if room is not None:
+                return self.target[self.got : self.got + room]
         return self.target[self.got :]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.last_byte = now = self._now()
-        if self.deadline is None:  # the first bytes of a request
-            self.deadline = now + self.shared.request_timeout
+        if self.started is None:  # the first bytes of a request
+            self.started = now
         self.got += nbytes
         within = self.request is None or self.shared.budget.charge(self, nbytes)
         if self.got < len(self.target):
@@ -337,8 +348,8 @@ class _LmProtocol(asyncio.BufferedProtocol):
         if self.parked_at is None or self.transport is None or self.transport.is_closing():
             return
         now = self._now()
-        if self.deadline is not None:  # the time parked was the server's, not the client's
-            self.deadline += now - self.parked_at
+        if self.started is not None:  # the time parked was the server's, not the client's
+            self.started += now - self.parked_at
         self.parked_at = None
         self.last_byte = now
         self.transport.resume_reading()
@@ -352,13 +363,13 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.target = self.buffer[: req.length]
         self.got = 0
         now = self._now()
-        self.deadline = now + self.shared.request_timeout + req.length / self.shared.min_rate
+        self.started = now  # the payload's pace counts from here
 
     def _start(self, req: Request, payload: memoryview) -> None:
         assert self.transport is not None
         self.transport.pause_reading()  # one request at a time per connection
         self.handling = True
-        self.deadline = None
+        self.started = None
         self.task = asyncio.get_running_loop().create_task(self._run(req, payload))
 
     async def _run(self, req: Request, payload: memoryview) -> None:
@@ -543,6 +554,23 @@ def _reply_for(meta: ObjectMeta) -> Reply | None:
         code, dims = CODE_OF_DTYPE["uint8"], (meta.nbytes, 0, 0, 0)
     fmt = meta.fmt if 0 <= meta.fmt <= 8 else 0
     return Reply(Code.OK, meta.nbytes, fmt, code, dims)
+
+
+@dataclass(frozen=True, slots=True)
+class LmStats:
+    """What an lm:// server holds now."""
+
+    connections: int
+    received_bytes: int  # payload bytes received and not stored yet (the payload budget's use)
+    waiting: int  # connections stopped by the payload budget
+
+
+def lm_stats(server: asyncio.Server) -> LmStats:
+    """The state of a server ``serve_lm`` started (zeros once it is closed)."""
+    shared = _SHARED.get(server)
+    if shared is None:
+        return LmStats(0, 0, 0)
+    return LmStats(len(shared.open), shared.budget.used, shared.budget.parked)
 
 
 async def close_lm(server: asyncio.Server) -> None:

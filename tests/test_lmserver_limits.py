@@ -19,7 +19,7 @@ import pytest
 from servers.lm_raw import IO_LIMIT, KEY, Client, Server, put, raw_header
 from servers.proc import free_port
 
-from gateway.lmserver import RECLAIM_IDLE, close_lm, serve_lm
+from gateway.lmserver import MIN_READ, RECLAIM_IDLE, close_lm, lm_stats, serve_lm
 from gateway.lmwire import Code, Command, Request
 from gateway.store import Store
 
@@ -46,7 +46,7 @@ async def serving(**options: Any) -> AsyncIterator[Server]:
         port = free_port()
         srv = await serve_lm(store, "127.0.0.1", port, **options)
         try:
-            yield Server(store, port)
+            yield Server(store, port, srv)
         finally:
             await close_lm(srv)
 
@@ -110,6 +110,32 @@ async def test_a_payload_that_stops_arriving_is_closed() -> None:
         assert await client.closed_by_server()
         await client.close()
         assert not await server.store.contains(KEY)
+
+
+async def test_a_trickling_payload_is_closed_and_frees_its_slot() -> None:
+    """A PUT that sends a byte now and then, never stalling for request_timeout, falls behind
+    its pace (min_rate after request_timeout) and is closed, so it cannot hold a slot."""
+    async with serving(max_connections=2, request_timeout=0.5, max_payload=16 * MiB) as server:
+        tricklers = [await server.connect() for _ in range(2)]
+        for i, trickler in enumerate(tricklers):
+            await trickler.send(raw_header(Command.PUT, 16 * MiB, fmt=4, dtype=6, key=f"k{i}"))
+
+        async def trickle() -> None:
+            while True:
+                for trickler in tricklers:
+                    with contextlib.suppress(ConnectionError):
+                        trickler.writer.write(b"\0")
+                await asyncio.sleep(0.2)
+
+        dripping = asyncio.create_task(trickle())
+        try:
+            await asyncio.sleep(1.5)
+            assert await healthy(server) < IO_LIMIT
+        finally:
+            dripping.cancel()
+        for trickler in tricklers:
+            assert await trickler.closed_by_server()
+            await trickler.close()
 
 
 async def test_a_reply_that_is_never_read_closes_the_connection() -> None:
@@ -209,6 +235,35 @@ async def test_payloads_that_together_pass_the_budget_all_finish() -> None:
                 assert body == payload
         for writer in writers:
             await writer.close()
+
+
+async def test_payloads_that_never_finish_stay_within_the_budget() -> None:
+    """Clients that send all of their payloads but the last byte: what the server holds stays
+    within the budget plus one payload (the one let past it), however many they are."""
+    budget, clients = 4 * MiB, 6
+    async with serving(max_payload=4 * MiB, payload_budget=budget, request_timeout=3.0) as server:
+        assert server.handle is not None
+        writers = [await server.connect() for _ in range(clients)]
+
+        async def send_all_but_one_byte(writer: Client, i: int) -> None:
+            request = raw_header(Command.PUT, 4 * MiB, fmt=4, dtype=6, key=f"{KEY}@k{i}%v")
+            request += bytes(4 * MiB - 1)
+            for start in range(0, len(request), 256 << 10):
+                writer.writer.write(request[start : start + (256 << 10)])
+                await asyncio.sleep(0)
+
+        senders = [asyncio.create_task(send_all_but_one_byte(w, i)) for i, w in enumerate(writers)]
+        peak, waiting = 0, 0
+        for _ in range(40):
+            await asyncio.sleep(0.025)
+            stats = lm_stats(server.handle)
+            peak, waiting = max(peak, stats.received_bytes), max(waiting, stats.waiting)
+        for sender in senders:
+            sender.cancel()
+        for writer in writers:
+            await writer.close()
+    assert waiting >= clients - 2  # most of them were held back
+    assert peak <= budget + 4 * MiB + clients * MIN_READ, f"held {peak / MiB:.1f} MiB"
 
 
 async def test_idle_connections_are_kept_without_an_idle_timeout() -> None:

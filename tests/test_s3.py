@@ -8,17 +8,14 @@ stalling proxy, and the Store riding out a SeaweedFS kill and restart.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
-import aioboto3  # type: ignore[import-untyped]
 import boto3  # type: ignore[import-untyped]
 import pytest
 from botocore.config import Config  # type: ignore[import-untyped]
-from servers.s3 import S3Server, tcp_proxy
+from servers.s3 import S3Server, raw_s3, tcp_proxy
 
 from connectors.s3 import S3Connector
 from gateway.connector import Connector, limiting_reads
@@ -39,19 +36,6 @@ def prefix() -> str:
 
 def s3_connector(server: S3Server, prefix: str, **options: Any) -> S3Connector:
     return S3Connector.from_url(server.url(prefix), **server.options(**options))
-
-
-@contextlib.asynccontextmanager
-async def raw_s3(server: S3Server) -> AsyncIterator[Any]:
-    """A plain aioboto3 client on the server, to look behind the connector's back."""
-    session = aioboto3.Session(
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-        region_name="us-east-1",
-    )
-    config = Config(s3={"addressing_style": "path"})
-    async with session.client("s3", endpoint_url=server.endpoint, config=config) as client:
-        yield client
 
 
 async def open_uploads(server: S3Server, prefix: str) -> list[str]:

@@ -12,13 +12,11 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-import aioboto3  # type: ignore[import-untyped]
 import pytest
-from botocore.config import Config  # type: ignore[import-untyped]
-from servers.s3 import S3Server, tcp_proxy
+from servers.s3 import S3Server, raw_s3, tcp_proxy
 
 from connectors.s3 import S3Connector, sweep
 from connectors.s3.names import Naming
@@ -32,18 +30,6 @@ SMALL_PARTS = {"multipart_threshold": 5 * MiB, "part_size": 5 * MiB}
 @pytest.fixture
 def prefix() -> str:
     return f"sweep-{uuid.uuid4().hex[:10]}"
-
-
-@contextlib.asynccontextmanager
-async def raw_s3(server: S3Server) -> AsyncIterator[Any]:
-    session = aioboto3.Session(
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-        region_name="us-east-1",
-    )
-    config = Config(s3={"addressing_style": "path"})
-    async with session.client("s3", endpoint_url=server.endpoint, config=config) as client:
-        yield client
 
 
 async def start_upload(server: S3Server, name: str) -> str:

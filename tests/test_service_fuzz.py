@@ -10,13 +10,11 @@ never a 5xx and never a hang (the body timeout is short).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
 import socket
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +24,10 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
-import uvicorn
 import xxhash
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
-from servers.proc import free_port
+from servers.uvicorn_thread import serve_in_thread
 
 from gateway.codec import encode_frame
 from gateway.frame import MAGIC, VERSION, FrameHeader, parse_header, payload_offset_of
@@ -55,19 +52,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         body_pool=0,
         body_timeout=0.3,
     )
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive(), "uvicorn exited"
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    yield from serve_in_thread(app, log_level="critical")
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,17 @@ with a blocking client). Few examples per operation keep the file well under 30 
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.result import Ok
 from schemathesis.transport.serialization import serialize_binary
-from servers.proc import free_port
+from servers.uvicorn_thread import serve_in_thread
 
 from gateway.service import create_app
 
@@ -35,25 +31,8 @@ def _binary(ctx: Any, value: Any) -> bytes:
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     disk: Path = tmp_path_factory.mktemp("disk")
     cfg = {"tiers": [{"url": "memory://", "capacity": 16 << 20}, {"url": f"file://{disk}"}]}
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(cfg, max_body=1 << 20, body_pool=0),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        lifespan="on",
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive(), "uvicorn exited"
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    app = create_app(cfg, max_body=1 << 20, body_pool=0)
+    yield from serve_in_thread(app, log_level="warning", lifespan="on")
 
 
 def test_no_server_errors(base_url: str) -> None:

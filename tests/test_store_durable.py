@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from servers.gated import Gated
 from servers.redis import RedisNode
 from test_service import serve
 
@@ -26,31 +26,12 @@ from gateway import CapacityError, Store
 from gateway.codec import encode_frame
 from gateway.errors import Timeout, Unavailable
 from gateway.http_batch import entry_head
-from gateway.layers import ChaosLayer, Layer
+from gateway.layers import ChaosLayer
 from gateway.objects import to_object_data
 from gateway.registry import load_codec
 from gateway.service import create_app
-from gateway.types import BufferParts
 
 KiB, MiB = 1 << 10, 1 << 20
-
-
-class Gated(Layer):
-    """A real memory connector whose puts wait while ``gate`` is closed."""
-
-    def __init__(self) -> None:
-        self.backing = MemoryConnector.from_url(f"memory://{uuid.uuid4().hex}")
-        super().__init__(self.backing)
-        self.gate = asyncio.Event()
-        self.gate.set()
-        self.started = 0  # puts that reached the gate
-        self.reached = asyncio.Event()  # set by the first
-
-    async def put(self, key: str, data: BufferParts) -> None:
-        self.started += 1
-        self.reached.set()
-        await self.gate.wait()
-        await self.inner.put(key, data)
 
 
 def config(*lower: dict[str, Any], l1: int = 4 * MiB, **store: Any) -> dict[str, Any]:

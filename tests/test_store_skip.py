@@ -8,16 +8,13 @@ answers) and resumed with SIGCONT, always, before the test ends.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable
 from typing import Any
 
+from servers.gated import Gated
 from servers.redis import RedisNode
 
-from connectors.memory import MemoryConnector
 from gateway import Store
-from gateway.layers import Layer
-from gateway.types import BufferParts
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -56,24 +53,8 @@ async def test_stalled_redis_with_skip_never_fails_a_put(
         await store.flush()
 
 
-class Gated(Layer):
-    """A real memory connector whose puts wait while ``gate`` is closed."""
-
-    def __init__(self) -> None:
-        super().__init__(MemoryConnector.from_url(f"memory://{uuid.uuid4().hex}"))
-        self.gate = asyncio.Event()
-        self.started = 0  # puts that reached the gate
-        self.reached = asyncio.Event()  # set by the first
-
-    async def put(self, key: str, data: BufferParts) -> None:
-        self.started += 1
-        self.reached.set()
-        await self.gate.wait()
-        await self.inner.put(key, data)
-
-
 async def test_queued_writes_of_a_skip_tier_make_room_for_a_put() -> None:
-    lower = Gated()
+    lower = Gated(open=False)
     cfg = {
         "tiers": [
             {"url": "memory://", "capacity": MiB},

@@ -14,9 +14,10 @@ IO_LIMIT = 5.0  # seconds: no test waits longer for a socket
 
 
 class Server:
-    def __init__(self, store: Store, port: int) -> None:
+    def __init__(self, store: Store, port: int, handle: asyncio.Server | None = None) -> None:
         self.store = store
         self.port = port
+        self.handle = handle  # what serve_lm returned
 
     async def connect(self) -> Client:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)

@@ -278,3 +278,19 @@ async def tcp_proxy(target_port: int) -> AsyncIterator[TcpProxy]:
         yield proxy
     finally:
         await proxy.close()
+
+
+@contextlib.asynccontextmanager
+async def raw_s3(server: S3Server) -> AsyncIterator[Any]:
+    """A plain aioboto3 client on the server, to look behind the connector's back."""
+    import aioboto3  # type: ignore[import-untyped]
+    from botocore.config import Config  # type: ignore[import-untyped]
+
+    session = aioboto3.Session(
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key,
+        region_name="us-east-1",
+    )
+    config = Config(s3={"addressing_style": "path"})
+    async with session.client("s3", endpoint_url=server.endpoint, config=config) as client:
+        yield client

@@ -152,10 +152,6 @@ class TierWriter:
         self.queued[job.slab] = job
         return True
 
-    def oldest_queued(self) -> WriteJob | None:
-        """The oldest job still waiting in the queue (no worker has taken it)."""
-        return next(iter(self.queued.values()), None)
-
     def skip_queued(self, slab: Slab) -> bool:
         """Skip (drop and count) the queued job that writes ``slab``, if there is one, so that
         the slab can be freed; its worker later finds it finished and passes over it."""

@@ -246,12 +246,18 @@ class Store:
         return any(w.in_flight for w in self.writers if w.backpressure == "wait")
 
     def _skip_queued_write(self) -> bool:
-        """Drop the oldest queued write of a ``skip`` tier, in every skip tier that queued one
-        for the same put, so that its slab can be freed; False when there is none."""
-        for writer in self.writers:
-            job = writer.oldest_queued() if writer.can_skip() else None
-            if job is not None:
-                for other in self.writers:
+        """Drop queued writes of ``skip`` tiers, oldest first, for one put whose slab that
+        frees (or leaves to the memory tier alone, which can evict it); False when no such put
+        is queued. A slab that a ``wait`` tier's write, a running write or a reader still holds
+        would not be freed: the skip tiers' writes of it are kept."""
+        skipping = [w for w in self.writers if w.can_skip()]
+        for writer in skipping:
+            for job in list(writer.queued.values()):
+                holders = [w for w in skipping if w.queued.get(job.slab) is not None]
+                cached = self.l1 is not None and self.l1.holds(job.key, job.slab)
+                if job.slab.refs - len(holders) > (1 if cached else 0):
+                    continue  # something else keeps the slab: dropping frees nothing
+                for other in holders:
                     other.skip_queued(job.slab)
                 return True
         return False

@@ -166,6 +166,11 @@ class MemoryTier:
         entry = self.index.get(key)
         return entry is not None and not entry.expired()
 
+    def holds(self, key: str, slab: Slab) -> bool:
+        """Whether ``slab`` is what the index keeps under ``key`` (one of its references)."""
+        entry = self.index.get(key)
+        return entry is not None and entry.slab is slab
+
     def insert(
         self,
         key: str,

@@ -15,6 +15,7 @@ from servers.gated import Gated
 from servers.redis import RedisNode
 
 from gateway import Store
+from gateway.types import BufferParts
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -80,3 +81,31 @@ async def test_queued_writes_of_a_skip_tier_make_room_for_a_put() -> None:
         assert set(lower.inner.objects) == {"running"}  # type: ignore[attr-defined]
         store.l1.remove("queued")
         assert await store.get("queued") is None  # skipped: never written, never served stale
+
+
+async def test_writes_are_not_dropped_when_dropping_them_frees_nothing() -> None:
+    """A stalled ``wait`` tier holds the slabs too: dropping a healthy ``skip`` tier's queued
+    writes of them would free no memory, so they are kept (and written)."""
+
+    class Slow(Gated):
+        async def put(self, key: str, data: BufferParts) -> None:
+            await asyncio.sleep(0.05)
+            await self.inner.put(key, data)
+
+    stalled, slow = Gated(open=False), Slow()
+    cfg = {
+        "tiers": [
+            {"url": "memory://", "capacity": MiB},
+            {"url": "memory://", "workers": 1, "backpressure": "wait", "timeout": 1.0},
+            {"url": "memory://", "workers": 1, "backpressure": "skip", "timeout": 5.0},
+        ]
+    }
+    async with Store(cfg, connectors={1: stalled, 2: slow}) as store:
+        for i in range(4):
+            await store.put(f"k{i}", bytes([i]) * (200 * 1024))
+        skipped = store.stats()["memory2"].skipped_writes
+        await store.put("big", b"b" * (300 * 1024))
+        assert store.stats()["memory2"].skipped_writes == skipped
+        stalled.gate.set()
+        await store.flush()
+    assert "big" in slow.backing.objects

@@ -27,9 +27,10 @@ What a client's numbers cannot do (the protocol has no authentication: see ``ser
   that long, must average ``min_rate`` bytes a second (so a trickle is closed long before its
   end); a reply must be taken as fast; past that the connection is closed;
 - lock others out: ``max_connections`` bounds the connections, and a full server makes room
-  for a new one by closing an idle one (between requests, for at least ``RECLAIM_IDLE`` s):
-  first one that never sent a whole request (an idle flood's), then the one idle the longest;
-  only when none is idle is the newcomer refused, with a log line.
+  for a new one by closing an idle one: first one that never sent a whole request (an idle
+  flood's; the oldest first), then one idle between requests for ``RECLAIM_IDLE`` s, the most
+  recently opened first (so long-lived engine connections go last); only when none is idle is
+  the newcomer refused, with a log line.
   Idle connections are otherwise kept as long as they like (``idle_timeout`` None), because
   LMCache's client opens one connection when it starts and never reconnects: closing an idle
   engine's connection would cut it off for good.
@@ -165,24 +166,20 @@ class _Shared:
             log.warning("lm:// " + message + more, *args)
 
     def admit(self) -> bool:
-        """Room for one more connection: a full server closes an idle one to make it.
-
-        Which one: first a connection that never sent a whole request, the oldest first
-        (an idle flood's), then the one idle the longest; either only after RECLAIM_IDLE s,
-        so that a client gets time to send its first header.
-        """
+        """Room for one more connection: a full server closes an idle one to make it (see
+        ``_LmProtocol.reclaim_rank`` for which); none idle, the newcomer is refused."""
         if len(self.open) < self.max_connections:
             return True
         now = asyncio.get_running_loop().time()
-        idle = [c for c in self.open if c.idle_for(now) >= RECLAIM_IDLE]
-        if not idle:  # a client sending a payload, or being served, keeps its connection
+        ranked = [(rank, c) for c in self.open if (rank := c.reclaim_rank(now)) is not None]
+        if not ranked:  # a client sending a payload, or being served, keeps its connection
             self.note(
                 "refused",
                 "server full (%d connections, none idle): a new connection was refused",
                 len(self.open),
             )
             return False
-        victim = min(idle, key=lambda c: (c.served > 0, -c.idle_for(now)))
+        victim = min(ranked, key=lambda pair: pair[0])[1]
         self.note(
             "reclaimed",
             "server full (%d connections): closed one idle for %.1f s (%d requests served) "
@@ -227,7 +224,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.served = 0  # requests handled on this connection
         self.parked_at: float | None = None  # reading stopped by the payload budget, since
         self.handling = False  # a request is being handled (reading is paused meanwhile)
-        self.idle_since = asyncio.get_running_loop().time()
+        self.idle_since = self.opened_at = asyncio.get_running_loop().time()
         self.task: asyncio.Task[None] | None = None
         self.direct: socket.socket | None = None
         self.can_write: asyncio.Event = asyncio.Event()
@@ -266,6 +263,27 @@ class _LmProtocol(asyncio.BufferedProtocol):
         timeout = self.shared.request_timeout
         due = self.started + timeout + self.got / self.shared.min_rate
         return now > due or now - self.last_byte > timeout
+
+    def reclaim_rank(self, now: float) -> tuple[int, float] | None:
+        """Where this connection stands when a full server must close one (lowest first), or
+        None when it must not: a request under way keeps its connection.
+
+        First a connection that never sent a whole request (an idle flood's), or has sent
+        part of a header for RECLAIM_IDLE s (LMCache's client sends one in one piece), the
+        oldest first, so that each newcomer gets the longest time to speak. Then one that has
+        served requests and been idle RECLAIM_IDLE s, the most recently opened first: an
+        engine's connection, opened when it started and never reopened (LMCache's client
+        does not reconnect), is the last to go.
+        """
+        if self.handling or self.request is not None:
+            return None
+        if self.started is not None:
+            return (0, self.started) if now - self.started >= RECLAIM_IDLE else None
+        if self.served == 0:
+            return (0, self.opened_at)
+        if now - self.idle_since >= RECLAIM_IDLE:
+            return (1, -self.opened_at)
+        return None
 
     def idle_for(self, now: float) -> float:
         """Seconds this connection has given the server nothing to do: between requests, or

@@ -338,6 +338,9 @@ class StripedObjects:
         manifest = parse_head(head)
         if manifest is None:
             src = memoryview(head).cast("B")[1:]
+            limit = read_limit()
+            if limit is not None and src.nbytes > limit:  # read already, never copied
+                raise MalformedValue(f"inline value of {src.nbytes} bytes, over {limit}")
             dst = alloc(src.nbytes)
             if dst is None:
                 return src

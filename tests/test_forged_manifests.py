@@ -32,9 +32,9 @@ from connectors.redis.config import MIN_PART_SIZE as REDIS_MIN_PART
 from connectors.valkey import ValkeyConnector
 from connectors.valkey.config import MIN_PART_SIZE as VALKEY_MIN_PART
 from gateway import Store
-from gateway.connector import BaseConnector
-from gateway.errors import CapacityError
-from gateway.parts import MAX_PARTS, Manifest
+from gateway.connector import BaseConnector, limiting_reads
+from gateway.errors import CapacityError, CorruptObject
+from gateway.parts import INLINE, MAX_PARTS, Manifest
 from gateway.registry import connect
 from gateway.testing import MiB, assert_same_bytes, make_bytes
 
@@ -302,3 +302,19 @@ async def test_object_needing_more_parts_than_a_manifest_may_name_is_refused(
     finally:
         await conn.close()
     assert redis_server.client().keys(f"{namespace}*") == []  # not a single part written
+
+
+async def test_an_inline_value_over_the_limit_is_corrupt_and_never_allocated(
+    backend: Backend,
+) -> None:
+    """Not a manifest but an inline value longer than the reader takes: refused as corrupt
+    before the reader's allocator is asked for it."""
+    asked: list[int] = []
+
+    def alloc(n: int) -> None:
+        asked.append(n)
+
+    await backend.plant("big-inline", bytes([INLINE]) + bytes(4 * MiB))
+    with limiting_reads(MiB), pytest.raises(CorruptObject):
+        await backend.connector.get_into("big-inline", alloc)
+    assert all(n <= MiB for n in asked), asked

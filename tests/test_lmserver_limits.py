@@ -176,6 +176,26 @@ async def test_an_idle_flood_does_not_lock_new_clients_out(
     assert 1 <= len(lines) <= 4, [r.getMessage() for r in lines]
 
 
+async def test_an_engines_long_lived_connection_outlasts_a_flood() -> None:
+    """LMCache's client never reconnects: a connection that has served requests and was opened
+    first is the last a full server closes, whatever the newer ones did."""
+    async with serving(max_connections=8) as server:
+        engine = await server.connect()
+        assert (await engine.ask(Request(Command.HEALTH, "")))[0].code == Code.OK
+        await asyncio.sleep(RECLAIM_IDLE)  # idle the longest of all, from here on
+        crowd = [await server.connect() for _ in range(7)]
+        for client in crowd:  # each served once too
+            assert (await client.ask(Request(Command.HEALTH, "")))[0].code == Code.OK
+        await asyncio.sleep(RECLAIM_IDLE + 0.2)
+        for _ in range(20):  # each new one closes an idle newer one
+            crowd.append(await server.connect())
+            await asyncio.sleep(0.01)
+        reply, _ = await engine.ask(Request(Command.HEALTH, ""))
+        assert reply.code == Code.OK
+        for client in [engine, *crowd]:
+            await client.close()
+
+
 async def test_a_full_server_refuses_with_a_log_line_when_nobody_is_idle(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -36,9 +36,9 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
-from gateway.connector import Allocator
+from gateway.connector import Allocator, read_limit
 from gateway.errors import CapacityError, GatewayError, Timeout, Unavailable
-from gateway.parts import bounded_all
+from gateway.parts import MalformedValue, bounded_all
 from gateway.transport import stream_transport
 from gateway.types import Buffer
 
@@ -430,6 +430,11 @@ class MemcachedClient:
             if line == b"END":
                 return None
             length, _ = _value_header(line, key, with_cas=False)
+            limit = read_limit()
+            if limit is not None and length > limit:  # the value is not read: the session
+                raise MalformedValue(  # ends, and its connection with it
+                    f"{self.name}: {key!r} holds {length} bytes, over the {limit} a reader takes"
+                )
             head = memoryview(bytearray(min(len(prefix), length)))
             await conn.readinto(head)
             if head == prefix:

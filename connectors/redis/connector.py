@@ -46,7 +46,7 @@ from connectors._options import parse_options
 from connectors.redis.backend import RedisParts, write_check
 from connectors.redis.client import RedisClient
 from connectors.redis.config import MIN_PART_SIZE, RedisOptions, Target, resolve
-from connectors.redis.fastpath import FOREIGN, MISS, FastPath
+from connectors.redis.fastpath import FOREIGN, MISS, TOO_LARGE, FastPath
 from gateway.baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector
 from gateway.errors import GatewayError
@@ -141,6 +141,8 @@ class RedisConnector(BaseConnector):
             return None
         if got == FOREIGN:
             raise MalformedValue(f"{self!r}: {key!r} holds a value kvgate did not write")
+        if got == TOO_LARGE:
+            raise MalformedValue(f"{self!r}: {key!r} holds more than a reader takes")
         assert isinstance(got, tuple)
         kind, value = got
         if kind == "inline":

@@ -54,6 +54,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from connectors.redis.client import Endpoint, RedisClient
 from connectors.redis.resp import Incomplete, ProtocolError, command, parse_reply, set_command
+from gateway.connector import read_limit
 from gateway.transport import stream_transport
 from gateway.types import Buffer
 
@@ -71,6 +72,7 @@ MISS: Final = "miss"
 WRONG_SIZE: Final = "wrong size"
 MOVED: Final = "moved"
 FOREIGN: Final = "foreign"  # a value longer than small_max whose first byte is not the tag
+TOO_LARGE: Final = "too large"  # an inline value over the reader's read_limit()
 Allocator = Callable[[int], memoryview | None]
 
 
@@ -96,6 +98,7 @@ class FastConnection(asyncio.BufferedProtocol):
         self._alloc: Allocator | None = None  # get_object: where an inline object goes
         self._tag = 0  # get_object: the first byte an inline object starts with
         self._small_max = 0  # get_object: values up to this long come back whole
+        self._limit: int | None = None  # get_object: the reader's read_limit()
         self._length = 0  # get_object: the value's length
         self._result: object = HIT  # what a completed bulk reply resolves to
         self._waiter: asyncio.Future[object] | None = None
@@ -240,6 +243,11 @@ class FastConnection(asyncio.BufferedProtocol):
             return
         assert self._alloc is not None
         size = self._length - 1
+        if self._limit is not None and size > self._limit:
+            self.usable = False  # its body is not drained: the connection must go
+            self._state = _DEAD
+            self._resolve(TOO_LARGE)
+            return
         try:
             given = self._alloc(size)
         except Exception as exc:  # the caller's allocator failed: the request fails with it
@@ -318,8 +326,11 @@ class FastConnection(asyncio.BufferedProtocol):
         """Send ``cmd`` (a GET of a main key). Returns MISS; ``("small", value)`` for a value
         of at most ``small_max`` bytes; ``("inline", buffer)`` for a longer value starting
         with byte ``tag``, the rest received into ``alloc(length - 1)`` (or a new buffer);
-        FOREIGN for a longer value that does not start with ``tag``."""
+        FOREIGN for a longer value that does not start with ``tag``; TOO_LARGE for an inline
+        value over ``read_limit()`` (nothing allocated)."""
         self._alloc, self._tag, self._small_max = alloc, tag, small_max
+        # Read here, in the reader's context: the protocol's callbacks run in the loop's.
+        self._limit = read_limit()
         return await self._request([cmd], _HEAD)
 
     async def call(self, chunks: Sequence[Buffer], replies: int) -> list[object]:

@@ -41,8 +41,8 @@ from gateway.errors import ConfigError
 MiB = 1 << 20
 DEFAULT_PORT = 6379
 MAX_VALUE = 512 * MiB
-MIN_PART_SIZE = 64 * 1024  # also what a stored manifest's parts must be at least
 """Valkey's default proto-max-bulk-len: no single value may be larger."""
+MIN_PART_SIZE = 64 * 1024  # also what a stored manifest's parts must be at least
 
 Scheme = Literal["valkey", "valkeys", "valkey+cluster"]
 SCHEMES: tuple[str, ...] = ("valkey", "valkeys", "valkey+cluster")

@@ -51,6 +51,11 @@ async def test_durable_and_flushed_objects_survive_sigkill(
 
     old_pid = gateway.pid
     gateway.kill()
+    # Dead before anything else could run: what the durable puts promised is already there.
+    redis_keys, s3_names = deployment.redis_keys(), deployment.s3_names()
+    for tensor in durable:
+        assert deployment.redis_main_key(tensor.key) in redis_keys, tensor.key
+        assert deployment.s3_name(tensor.key) in s3_names, tensor.key
     gateway.start()
     assert gateway.pid != old_pid
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.disk_baseline import write_fsynced
+from gateway.bench.disk_baseline import write_fsynced
 from gateway.store import Store
 
 MiB = 1 << 20

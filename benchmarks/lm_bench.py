@@ -5,7 +5,7 @@ Run with kvgate's python (after ``.ci/lmcache-env``)::
     .venv/bin/python benchmarks/lm_bench.py [--size-mib 32] [--rounds 8] [--repeat 3]
 
 It starts ``lmcache_server 127.0.0.1 P cpu`` from LMCache's venv and kvgate's server
-(``gateway.lmserver.serve_lm`` over a memory-only Store) in this process, then runs this same
+(``gateway.lmcache.server.serve_lm`` over a memory-only Store) in this process, then runs this same
 file as ``client`` under LMCache's python against each in turn, in the same run, and prints
 put and get throughput (median of ``--repeat``). Puts are timed until an EXIST on the same
 connection answers (PUT has no reply), so both servers are timed to "stored".
@@ -154,7 +154,7 @@ async def _orchestrate(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from servers.proc import ServerProcess, free_port, port_open
 
-    from gateway.lmserver import serve_lm
+    from gateway.lmcache.server import serve_lm
     from gateway.store import Store
 
     stock_port, ours_port = free_port(), free_port()

@@ -15,7 +15,7 @@ Mapping the contract onto a protocol that has only PUT, GET, EXIST, LIST and HEA
 - put: PUT has no reply, so it is followed by an EXIST on the same connection: the put returns
   once the server has stored the object (read-after-write on any connection) and fails if the
   server dropped it.
-- delete: a tombstone PUT (``gateway.lmwire``). kvgate's server deletes the key; the stock one
+- delete: a tombstone PUT (``gateway.lmcache.wire``). kvgate's server deletes the key; the stock one
   stores the tombstone, which reads back as a miss. Against the stock server, ``exists`` and
   ``delete`` therefore GET the object after a positive EXIST, to tell a tombstone from data;
   against kvgate (recognised by its HEALTH reply) EXIST alone answers.
@@ -45,7 +45,7 @@ from gateway.errors import (
     Unavailable,
 )
 from gateway.keys import Key
-from gateway.lmwire import (
+from gateway.lmcache.wire import (
     INT32_MAX,
     KEY_BYTES,
     KVGATE_MARK,

@@ -8,7 +8,7 @@ Sources, in the order ``load_config`` applies them:
    uses LMCache's keys (``local_cpu``, ``max_local_disk_size``, ``remote_url``, ...) is mapped
    onto kvgate's tiers; LMCache keys kvgate has no use for are skipped with one warning. The
    LMCache support (detection, ``load_lmcache_env``, ``map_lmcache_config``) lives in
-   ``gateway.lmcache_config``; this module re-exports its public functions.
+   ``gateway.config_lmcache``; this module re-exports its public functions.
 2. ``KVGATE_*`` environment overrides, except for a ``StoreConfig`` passed in (it is final).
    The rule: ``KVGATE_<FIELD>`` sets a top-level field of ``StoreConfig``; ``__`` descends, so
    ``KVGATE_TIERS__0__TIMEOUT=2`` sets ``tiers[0].timeout`` and
@@ -54,9 +54,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.config_source import Origins, as_mapping, read_yaml
-from gateway.errors import ConfigError
-from gateway.lmcache_config import (
+from gateway.config_lmcache import (
     is_lmcache_key,
     lmcache_env_present,
     load_lmcache_env,
@@ -64,6 +62,8 @@ from gateway.lmcache_config import (
     map_lmcache_config,
     map_lmcache_with_origins,
 )
+from gateway.config_source import Origins, as_mapping, read_yaml
+from gateway.errors import ConfigError
 
 __all__ = [
     "EVICTION_POLICIES",

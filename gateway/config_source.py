@@ -4,7 +4,7 @@
 keys, with errors that name the source (``KVGATE_CONFIG``, ``LMCACHE_CONFIG_FILE``, ...) and never
 quote the file's text, which may hold a password. ``Origins`` records, per location, the
 environment variable or LMCache key a value came from, so validation errors can name it.
-Shared by ``gateway.config`` and ``gateway.lmcache_config``.
+Shared by ``gateway.config`` and ``gateway.config_lmcache``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Options:
 - ``quality`` (default 1.75): divides every step. Doubling it costs about one bit per element
   and halves the error: the size/quality knob of the benchmark's rate-distortion curve. The
   default is the smallest round value that keeps the attention-output error of both the
-  synthetic chunk and MiniLM's K/V at or below KIVI 4-bit's (``gateway.kv_samples``).
+  synthetic chunk and MiniLM's K/V at or below KIVI 4-bit's (``gateway.bench.kv_samples``).
 - ``key_bins`` / ``value_bins``: quantization levels per ``SPAN`` (8) standard deviations of a
   layer; entry ``i`` applies to layer ``i`` and the last entry to every layer after. The
   defaults are CacheGen's: keys 32 levels in layers 0-9 and 16 after, values 32 in layers 0-1

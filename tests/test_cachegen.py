@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from gateway.bench.kv_samples import synthetic_kv
 from gateway.errors import ConfigError, CorruptObject
 from gateway.frame import FrameInfo, encode_header
-from gateway.kv_samples import synthetic_kv
 from gateway.objects import ObjectData, to_object, to_object_data
 from gateway.types import MemoryFormat as F
 from gpu.reference import rans as ref_rans

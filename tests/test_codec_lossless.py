@@ -186,7 +186,7 @@ def test_bytesplit_stores_high_bytes_first() -> None:
 
 
 def test_bytesplit_beats_zstd_on_bf16_kv() -> None:
-    from gateway.kv_samples import synthetic_kv
+    from gateway.bench.kv_samples import synthetic_kv
 
     kv = synthetic_kv(layers=4, dtype=torch.bfloat16).kv
     got, split = round_trip(load_codec("bytesplit"), kv)

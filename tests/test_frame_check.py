@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_frame import make_frame  # tests/ is on sys.path: the frame every test builds
 
-from connectors.fs import FileConnector
+from connectors.fs.connector import FileConnector
 from gateway import frame, tiers
 from gateway.errors import CorruptObject
 from gateway.frame import decode_frame

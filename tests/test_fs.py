@@ -15,7 +15,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors.fs import FileConnector
+from connectors.fs.connector import FileConnector
 from gateway.errors import CapacityError, ConfigError, GatewayError
 from gateway.testing import assert_same_bytes, listed, make_bytes
 

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from connectors import _fsrecord as rec
-from connectors._fsread import DIRECT_IO_BYTES
-from connectors.fs import FileConnector
+from connectors.fs import record as rec
+from connectors.fs.connector import FileConnector
+from connectors.fs.read import DIRECT_IO_BYTES
 from gateway import Store
 from gateway.errors import CapacityError
 from gateway.testing import assert_same_bytes, make_bytes
@@ -231,7 +231,7 @@ async def test_a_filesystem_that_refuses_o_direct_turns_it_off(
     conn = FileConnector(tmp_path, direct_io=True)
     monkeypatch.setattr(os, "open", refusing_open)
     body = make_bytes(2 * MiB)
-    with caplog.at_level(logging.WARNING, logger="connectors.fs"):
+    with caplog.at_level(logging.WARNING, logger="connectors.fs.connector"):
         await conn.put("k", [LEAD, aligned(body)])
     assert "refused O_DIRECT" in caplog.text
     assert conn.direct_io is False

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from connectors import _fsrecord as rec
-from connectors._fsread import PARALLEL_READ_BYTES
-from connectors._fsrecord import DIRECT_READ_STEP
-from connectors.fs import FileConnector
+from connectors.fs import record as rec
+from connectors.fs.connector import FileConnector
+from connectors.fs.read import PARALLEL_READ_BYTES
+from connectors.fs.record import DIRECT_READ_STEP
 
 MiB = 1 << 20
 BIG = PARALLEL_READ_BYTES + 3 * MiB + 123  # two reading threads, a short last step

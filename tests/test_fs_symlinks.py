@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from connectors import _fsrecord as rec
-from connectors.fs import FileConnector
+from connectors.fs import record as rec
+from connectors.fs.connector import FileConnector
 from gateway.errors import ConfigError
 from gateway.testing import assert_same_bytes, listed
 
@@ -87,7 +87,7 @@ async def test_symlinked_fan_out_dir_is_not_served_emptied_or_written(
     before = snapshot(outside)
 
     conn = FileConnector(root)
-    with caplog.at_level(logging.WARNING, logger="connectors.fs"):
+    with caplog.at_level(logging.WARNING, logger="connectors.fs.connector"):
         for key in keys:
             assert await conn.get(key) is None
             assert not await conn.exists(key)
@@ -144,7 +144,7 @@ async def test_symlinked_object_file_is_not_served_replaced_or_removed(
     root = tmp_path / "root"
     conn = FileConnector(root, capacity=100)
     links = {}
-    with caplog.at_level(logging.WARNING, logger="connectors.fs"):
+    with caplog.at_level(logging.WARNING, logger="connectors.fs.connector"):
         for key in ("a", "b", "c"):
             await conn.put(key, key.encode() * 10)
             path = Path(conn.path_for(key))

@@ -163,7 +163,7 @@ def test_token_counts_and_group_sizes(
 
 
 def test_realistic_chunk_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway.kv_samples import synthetic_kv
+    from gateway.bench.kv_samples import synthetic_kv
 
     sample = synthetic_kv(layers=2, tokens=256, hidden=512)
     for bits in (2, 4):

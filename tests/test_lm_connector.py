@@ -18,8 +18,8 @@ from connectors.lm import LmConnector, parse_url, wire_key
 from gateway.connector import limiting_reads
 from gateway.errors import ConfigError, CorruptObject, Timeout, Unavailable
 from gateway.keys import Key
-from gateway.lmserver import close_lm, serve_lm
-from gateway.lmwire import KEY_BYTES
+from gateway.lmcache.server import close_lm, serve_lm
+from gateway.lmcache.wire import KEY_BYTES
 from gateway.store import Store
 
 # Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).

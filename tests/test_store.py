@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from connectors.blackhole import BlackholeConnector
-from connectors.fs import FileConnector
+from connectors.fs.connector import FileConnector
 from connectors.memory import MemoryConnector
 from gateway import CapacityError, InvalidKey, Key, Store
 from gateway.layers import ChaosLayer, Layer

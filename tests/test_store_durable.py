@@ -25,11 +25,11 @@ from connectors.redis import RedisConnector
 from gateway import CapacityError, Store
 from gateway.codec import encode_frame
 from gateway.errors import Timeout, Unavailable
-from gateway.http_batch import entry_head
+from gateway.http.app import create_app
+from gateway.http.batch import entry_head
 from gateway.layers import ChaosLayer
 from gateway.objects import to_object_data
 from gateway.registry import load_codec
-from gateway.service import create_app
 
 KiB, MiB = 1 << 10, 1 << 20
 

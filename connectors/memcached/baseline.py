@@ -15,7 +15,7 @@ import uuid
 
 import aiomcache
 
-from gateway.baseline import timed_put_get
+from gateway.client_baseline import timed_put_get
 from gateway.errors import CapacityError, GatewayError, Timeout, Unavailable
 
 

@@ -47,7 +47,7 @@ from connectors.redis.backend import RedisParts, write_check
 from connectors.redis.client import RedisClient
 from connectors.redis.config import MIN_PART_SIZE, RedisOptions, Target, resolve
 from connectors.redis.fastpath import FOREIGN, MISS, TOO_LARGE, FastPath
-from gateway.baseline import timed_put_get
+from gateway.client_baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector
 from gateway.errors import GatewayError
 from gateway.parts import INLINE, MANIFEST_SIZE, MalformedValue, StripedObjects, parse_head

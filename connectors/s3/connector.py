@@ -20,7 +20,7 @@ from connectors.s3.config import DEFAULT_STALE_UPLOAD_AGE, Location, S3Options, 
 from connectors.s3.download import download
 from connectors.s3.errors import is_missing, s3_errors
 from connectors.s3.upload import upload
-from gateway.baseline import timed_put_get
+from gateway.client_baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector, as_parts
 from gateway.errors import ConfigError, GatewayError, InvalidKey
 from gateway.inflight import InFlight

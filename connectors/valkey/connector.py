@@ -54,7 +54,7 @@ from connectors.valkey.config import (
     glide_config,
     parse_endpoint,
 )
-from gateway.baseline import timed_put_get
+from gateway.client_baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector
 from gateway.parts import INLINE, MalformedValue, StripedObjects, size_of
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo

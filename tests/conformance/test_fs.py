@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.fs import FileConnector
+from connectors.fs.connector import FileConnector
 from gateway.connector import Connector
 from gateway.testing import ConnectorConformance, ConnectorFactory
 

@@ -12,7 +12,7 @@ from servers.proc import free_port
 
 from connectors.lm import LmConnector
 from gateway.connector import Connector
-from gateway.lmserver import close_lm, serve_lm
+from gateway.lmcache.server import close_lm, serve_lm
 from gateway.store import Store
 from gateway.testing import ConnectorConformance, ConnectorFactory
 

@@ -1,6 +1,6 @@
 """A real kvgate HTTP service on loopback, in its own process, for the gateway:// tests.
 
-The service runs ``gateway.service.create_app`` under uvicorn in a subprocess (its own
+The service runs ``gateway.http.app.create_app`` under uvicorn in a subprocess (its own
 interpreter: the client's event loop and the server's do not share a GIL), with a Store whose
 only tier is an in-process memory tier. ``token`` sets the bearer token the service requires.
 """
@@ -20,7 +20,7 @@ from servers.proc import ServerProcess, free_port, port_open
 _LAUNCH = """
 import json, os, sys
 import uvicorn
-from gateway.service import create_app
+from gateway.http.app import create_app
 cfg = json.loads(sys.argv[1])
 token = os.environ.get("TEST_GATEWAY_TOKEN") or None
 tls = json.loads(sys.argv[3])

@@ -6,7 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from gateway.lmwire import REPLY, REQUEST, Command, Reply, Request, encode_request, parse_reply
+from gateway.lmcache.wire import (
+    REPLY,
+    REQUEST,
+    Command,
+    Reply,
+    Request,
+    encode_request,
+    parse_reply,
+)
 from gateway.store import Store
 
 KEY = "llama@1@0@abc123@bfloat16"

@@ -1,0 +1,282 @@
+"""``kvgate bench`` (a Store against its baseline) and ``kvgate bench codecs``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from gateway.bench.store import BenchResult, combine_runs, run_bench
+from gateway.config import parse_size
+
+err = Console(stderr=True)
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not JSON: {exc}", param_hint=what) from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter("must be a JSON object", param_hint=what)
+    return value
+
+
+# `kvgate bench [options]` runs the Store bench; `kvgate bench codecs [options]` the codec one.
+bench_app = typer.Typer(subcommand_metavar="[codecs [OPTIONS]]")
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    tier: Annotated[
+        list[str] | None,
+        typer.Option("--tier", "-t", help="tier URL, in order (repeat); default: memory://"),
+    ] = None,
+    size: Annotated[str, typer.Option(help="object size, e.g. 32MiB or 4KiB")] = "32MiB",
+    count: Annotated[int, typer.Option("--count", "-n", help="number of objects")] = 64,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c")] = 1,
+    kind: Annotated[str, typer.Option(help="tensor, ndarray or bytes")] = "tensor",
+    capacity: Annotated[str | None, typer.Option(help="memory tier capacity")] = None,
+    baseline: Annotated[
+        str, typer.Option(help="auto, memcpy, disk, client (the raw client library) or none")
+    ] = "auto",
+    tier_options: Annotated[
+        str | None,
+        typer.Option(help='JSON options of the last tier, e.g. \'{"endpoint_url": "..."}\''),
+    ] = None,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            min=1, help="runs; each side's median GB/s is reported, ratios are of medians"
+        ),
+    ] = 3,
+    cold: Annotated[bool, typer.Option(help="evict files from the page cache before gets")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+) -> None:
+    """Benchmarks: put then get COUNT objects through a Store, next to a baseline.
+
+    The codecs instead (ratio, error, speed): kvgate bench codecs [OPTIONS].
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    tiers = tier or ["memory://"]
+    nbytes = parse_size(size)
+    cap = parse_size(capacity) if capacity else None
+    options = _json_object(tier_options, "--tier-options") if tier_options else None
+    results: list[BenchResult] = []
+    show = not as_json and sys.stderr.isatty() and count * repeat >= 50
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+        disable=not show,
+    ) as bar:
+        task = bar.add_task("bench", total=count * 3 * repeat)
+        for _ in range(repeat):
+            results.append(
+                asyncio.run(
+                    run_bench(
+                        tiers,
+                        size=nbytes,
+                        count=count,
+                        concurrency=concurrency,
+                        kind=kind,
+                        capacity=cap,
+                        baseline=baseline,
+                        cold=cold,
+                        progress=lambda n: bar.advance(task, n),
+                        tier_options=options,
+                    )
+                )
+            )
+    result = combine_runs(results)  # medians of each side; why: combine_runs' docstring
+    if as_json:
+        print(json.dumps(result.as_dict()))
+        return
+    table = Table(
+        title=f"kvgate bench: {count} x {size} via {' -> '.join(result.tiers)}, "
+        f"concurrency {concurrency}"
+    )
+    for col in ("", "kvgate GB/s", f"baseline ({result.baseline}) GB/s", "ratio", "ops/s"):
+        table.add_column(col)
+    table.add_row(
+        "put",
+        f"{result.put_gbps:.2f}",
+        f"{result.baseline_put_gbps:.2f}",
+        f"{result.put_ratio:.2f}",
+        f"{result.put_ops_per_s:,.0f}",
+    )
+    table.add_row(
+        "get (zero-copy)" if result.get_zero_copy else "get",
+        f"{result.get_gbps:.2f}",
+        f"{result.baseline_get_gbps:.2f}",
+        "-" if result.get_zero_copy else f"{result.get_ratio:.2f}",
+        f"{result.get_ops_per_s:,.0f}",
+    )
+    table.add_row(
+        "get+copy",
+        f"{result.get_copy_gbps:.2f}",
+        f"{result.baseline_get_gbps:.2f}",
+        f"{result.get_copy_ratio:.2f}",
+        "",
+    )
+    Console().print(table)
+    Console().print(
+        f"get latency p50 {result.p50_ms:.3f} ms, p99 {result.p99_ms:.3f} ms; "
+        f"put p50 {result.put_p50_ms:.3f} ms, p99 {result.put_p99_ms:.3f} ms; "
+        f"hits {result.get_hits}/{count}",
+        soft_wrap=True,  # one line, whatever the terminal width: scripts grep it
+    )
+    if result.errors:
+        Console().print(f"errors: {result.errors}")
+
+
+SampleChoice = Literal["all", "synthetic", "minilm"]
+DtypeChoice = Literal["fp16", "bf16", "fp32"]
+
+
+@bench_app.command("codecs")
+def bench_codecs(
+    sample: Annotated[SampleChoice, typer.Option(help="which K/V chunk")] = "all",
+    codec: Annotated[
+        list[str] | None, typer.Option("--codec", help="only this codec (repeat)")
+    ] = None,
+    points: Annotated[
+        str | None,
+        typer.Option(
+            help='JSON list of {"codec": NAME, "options": {...}}, replacing the default sweep'
+        ),
+    ] = None,
+    layers: Annotated[int, typer.Option(min=1, help="synthetic chunk: layers")] = 32,
+    tokens: Annotated[int, typer.Option(min=2, help="tokens (MiniLM: at most 512)")] = 256,
+    hidden: Annotated[int, typer.Option(min=1, help="synthetic chunk: hidden size")] = 1024,
+    dtype: Annotated[DtypeChoice, typer.Option(help="dtype of the chunk")] = "fp16",
+    repeat: Annotated[int, typer.Option(min=1, help="runs; the median time is reported")] = 3,
+    plot: Annotated[
+        Path | None, typer.Option(help="write the rate-distortion plot to this PNG")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+) -> None:
+    """Ratio, K/V and attention-output error, encode/decode GB/s of every codec on KV chunks.
+
+    Default points: every usable codec with its default options, plus a few option sweeps.
+    """
+    try:
+        from gateway.bench import codecs as codec_bench
+        from gateway.bench.rd_plot import draw_rate_distortion
+
+        if plot is not None:
+            import matplotlib  # noqa: F401 - fail before measuring, not after
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        extra = "torch" if exc.name == "torch" else "bench"
+        err.print(f"kvgate bench codecs needs {exc.name}: pip install 'kvgate[{extra}]'")
+        raise typer.Exit(2) from None
+    try:
+        chosen = codec_bench.parse_points(points) if points else None
+        selected, skipped = codec_bench.select_points(chosen, codec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--points / --codec") from None
+    try:
+        samples, skipped_samples = codec_bench.load_samples(
+            sample, layers=layers, tokens=tokens, hidden=hidden, dtype=dtype
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tokens") from None
+    for name, why in {**skipped, **skipped_samples}.items():
+        err.print(f"skipped {name}: {why}", soft_wrap=True)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    ) as bar:
+        total = codec_bench.steps(len(samples), len(selected), repeat)
+        task = bar.add_task("bench codecs", total=total)
+        results = codec_bench.run_codec_bench(
+            samples, selected, repeat=repeat, tick=lambda n: bar.advance(task, n)
+        )
+    report = codec_bench.CodecBenchReport(results, repeat, {**skipped, **skipped_samples})
+    data = report.as_dict()
+    if plot is not None:
+        bits = {"fp16": 16, "bf16": 16, "fp32": 32}[dtype]
+        title = f"kvgate codecs: rate vs distortion ({dtype} K/V)"
+        draw_rate_distortion(data["samples"], plot, input_bits=bits, title=title)
+    if as_json:
+        print(json.dumps(data))
+        return
+    out = _wide_console()
+    for result in results:
+        table, errors = _codec_table(result, dtype)
+        out.print(table)
+        for line in errors:
+            out.print(line, soft_wrap=True, highlight=False)
+    if plot is not None:
+        out.print(f"rate-distortion plot: {plot}", soft_wrap=True)
+
+
+def _codec_table(result: Any, dtype: str) -> tuple[Table, list[str]]:
+    """The sample's table, and one line per error row (too long for a cell)."""
+    shape = "x".join(map(str, result.shape))
+    table = Table(
+        title=f"{result.name} K/V [{shape}] {result.dtype}, {result.input_bytes / 2**20:.1f} MiB",
+        caption=f"ratio: {dtype} bytes / stored frame bytes; errors: relative, 0 = exact",
+    )
+    for col in ("codec", "options"):
+        table.add_column(col)
+    for col in ("ratio", "bits/el", "K err", "V err", "attn err", "enc GB/s", "dec GB/s"):
+        table.add_column(col, justify="right")
+    memcpy = f"{result.memcpy_gbps:.2f}"
+    bits = f"{result.input_bytes * 8 / math.prod(result.shape):.2f}"
+    table.add_row("memcpy", "(baseline)", "1.00", bits, "0", "0", "0", memcpy, memcpy, style="dim")
+    errors = []
+    for r in result.rows:
+        if r.error is not None:
+            table.add_row(r.codec, r.label, "[red]error[/]", *["-"] * 6)
+            errors.append(f"[red]error[/] {result.name}, {r.codec} {r.label}: {r.error}")
+            continue
+        table.add_row(
+            r.codec,
+            r.label,
+            f"{r.ratio:.2f}",
+            f"{r.bits_per_element:.2f}",
+            *(_err(e) for e in (r.k_rel_error, r.v_rel_error, r.attention_error)),
+            f"{r.encode_gbps:.2f}",
+            f"{r.decode_gbps:.2f}",
+        )
+    return table, errors
+
+
+def _err(value: float) -> str:
+    if value == 0:
+        return "0"
+    return f"{value:.4f}" if value >= 1e-3 else f"{value:.2e}"
+
+
+def _wide_console() -> Console:
+    """A terminal's own width; piped output gets room for a wide table instead of 80 columns."""
+    console = Console()
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(width=160)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``bench`` (and ``bench codecs``) to the ``kvgate`` command."""
+    app.add_typer(bench_app, name="bench")

@@ -1,0 +1,137 @@
+"""``kvgate serve``: the HTTP API and, with ``--lm-port``, lm:// on one Store."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from functools import partial
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from gateway.config import parse_size
+
+err = Console(stderr=True)
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def serve(
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config", "-f", help="YAML config (default: $KVGATE_CONFIG or memory + disk)"
+        ),
+    ] = None,
+    host: Annotated[
+        str, typer.Option(help="bind address; other than loopback only with a token")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port")] = 8080,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVGATE_TOKEN",
+            show_default=False,
+            help="bearer token clients must send (prefer $KVGATE_TOKEN: argv is visible)",
+        ),
+    ] = None,
+    lm_port: Annotated[
+        int | None, typer.Option(help="also serve LMCache's lm:// protocol on this port")
+    ] = None,
+    lm_host: Annotated[
+        str,
+        typer.Option(help="lm:// bind address; lm:// has no authentication: see --lm-public"),
+    ] = "127.0.0.1",
+    lm_public: Annotated[
+        bool,
+        typer.Option(
+            "--lm-public",
+            help="allow a non-loopback --lm-host: whoever reaches it reads and overwrites "
+            "every object, --token or not",
+        ),
+    ] = False,
+    lm_idle_timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="close lm:// connections idle this long (LMCache's client never reconnects)",
+        ),
+    ] = None,
+    max_body: Annotated[str, typer.Option(help="largest request body")] = "1GiB",
+    body_timeout: Annotated[
+        float, typer.Option(min=0.001, help="seconds a request body may stall (then 408)")
+    ] = 20.0,
+    body_min_rate: Annotated[
+        str, typer.Option(help="bytes/s a body must average after --body-timeout s (0: any)")
+    ] = "1MiB",
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+) -> None:
+    """Serve a Store over HTTP (object API, batch, lookup, tiers, metrics) and optionally lm://."""
+    token = token or None  # an empty $KVGATE_TOKEN is no token
+    if not token and not _is_loopback(host):
+        # Without authentication a non-loopback bind would expose the cache to the network.
+        err.print(
+            f"refusing to bind {host}: a non-loopback address needs a bearer token "
+            "(--token or $KVGATE_TOKEN)"
+        )
+        raise typer.Exit(2)
+    if lm_port is not None and not lm_public and not _is_loopback(lm_host):
+        # lm:// (LMCache's protocol) has no authentication: the token does not protect it.
+        err.print(
+            f"refusing to serve lm:// on {lm_host}: lm:// has no authentication, so anyone "
+            "who reaches the port could read and overwrite every object"
+            + (", whatever --token protects over HTTP" if token else "")
+            + "; pass --lm-public to expose it anyway"
+        )
+        raise typer.Exit(2)
+    try:
+        import uvicorn
+
+        from gateway.http.app import create_app
+        from gateway.lmcache.server import lm_serving
+    except ModuleNotFoundError as exc:
+        err.print(
+            f"kvgate serve needs the serve extra ({exc.name} is missing): "
+            "pip install 'kvgate[serve]'"
+        )
+        raise typer.Exit(2) from None
+    from gateway.config import load_config, redact_url
+
+    # KVGATE_TOKEN is this command's, not a config field: keep it out of the config's view.
+    env = {k: v for k, v in os.environ.items() if k != "KVGATE_TOKEN"}
+    cfg = load_config(config, env=env)
+    tiers = " -> ".join(
+        redact_url(t.url) + (f" ({t.capacity:,} B)" if t.capacity else "") for t in cfg.tiers
+    )
+    auth = "bearer token required" if token else "no authentication (loopback only)"
+    lm = f", lm://{lm_host}:{lm_port} (no authentication)" if lm_port is not None else ""
+    typer.echo(
+        err=True, message=f"kvgate serving on http://{host}:{port}{lm}; {auth}; tiers: {tiers}"
+    )
+    application = create_app(
+        cfg,
+        token=token,
+        max_body=parse_size(max_body),
+        body_timeout=body_timeout,
+        body_min_rate=parse_size(body_min_rate),
+        companions=[]
+        if lm_port is None
+        else [partial(lm_serving, host=lm_host, port=lm_port, idle_timeout=lm_idle_timeout)],
+    )
+    # uvloop and httptools when installed ("auto"); the plain asyncio loop and h11 otherwise.
+    uvicorn.run(application, host=host, port=port, log_level=log_level, loop="auto", http="auto")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to the ``kvgate`` command."""
+    app.command()(serve)

@@ -1,0 +1,245 @@
+"""The object API: ``PUT``/``GET``/``HEAD``/``DELETE /v1/objects/{key}`` and ``POST /v1/lookup``.
+
+An object travels either as its plain bytes (``application/octet-stream``, with kind, dtype,
+shape and memory format in ``x-kvgate-*`` headers) or as a kvgate frame
+(``application/vnd.kvgate.frame``): a client that asks for a frame names the codec that encodes
+it (``x-kvgate-codec``), so compressed objects cross the network compressed. Frames sent by a
+client are verified and decoded before the object is stored. Answers are written from the
+store's memory without joining or copying (a tensor's bytes go to the socket as they are).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Path, Request, Response
+from pydantic import BaseModel, Field
+from starlette.types import Receive, Scope, Send
+
+from gateway.codec import encode_frame
+from gateway.errors import NotFound
+from gateway.http.body import (
+    FRAME_TYPE,
+    BadRequest,
+    Body,
+    frame_object,
+    meta_headers,
+    object_of,
+    parse_format,
+    parse_ttl,
+    read_body,
+    read_json,
+)
+from gateway.http.state import MAX_LOOKUP_KEYS, ServiceState, state_of
+from gateway.keys import normalize_key
+from gateway.objects import ObjectData, to_object_data
+from gateway.store import Store
+from gateway.tiers import INLINE_CODECS, offload
+from gateway.types import Buffer
+
+OCTETS = "application/octet-stream"
+DURABLE_HEADER = "true: answer only once every tier holds the object (default false)"
+
+
+def parse_durable(value: str | None) -> bool:
+    """``x-kvgate-durable``: true or false (1 or 0); absent is false."""
+    if value is None:
+        return False
+    flag = value.strip().lower()
+    if flag not in ("true", "false", "1", "0"):
+        raise BadRequest(f"x-kvgate-durable must be true or false, not {value!r}")
+    return flag in ("true", "1")
+
+
+class PartsResponse(Response):
+    """A body sent as a list of buffers, none joined or copied; ``keep`` outlives the send."""
+
+    def __init__(
+        self, parts: list[Buffer], *, media_type: str, headers: dict[str, str], keep: object
+    ) -> None:
+        self.parts = [memoryview(p).cast("B") for p in parts]
+        self.keep = keep  # the object whose memory the parts view (a lease on the cache)
+        size = sum(p.nbytes for p in self.parts)
+        super().__init__(None, 200, {**headers, "content-length": str(size)}, media_type)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        parts = [p for p in self.parts if p.nbytes] or [memoryview(b"")]
+        for i, part in enumerate(parts):
+            await send(
+                {"type": "http.response.body", "body": part, "more_body": i < len(parts) - 1}
+            )
+
+
+async def stored_object(store: Store, key: str) -> tuple[object, ObjectData] | None:
+    """The object under ``key`` and its description as stored (memory format included: a
+    tensor does not carry its LMCache format, the store's metadata does)."""
+    found = await store.get_with_meta(key)
+    if found is None:
+        return None
+    obj, meta = found
+    return obj, to_object_data(obj, meta.fmt)
+
+
+def wants_frame(accept: str | None) -> bool:
+    return accept is not None and FRAME_TYPE in accept
+
+
+async def frame_parts(
+    state: ServiceState, key: str, data: ObjectData, codec: str | None, options: str | None
+) -> tuple[list[Buffer], dict[str, str]]:
+    """The frame of ``data`` encoded with the named codec, bound to ``key``: head and payload
+    parts."""
+    chosen = state.codecs.get(codec or "raw", options)
+    slow = chosen.name not in INLINE_CODECS or not data.on_host
+    bound = normalize_key(key)
+    head, parts, _ = await offload(data.meta.nbytes, encode_frame, chosen, data, bound, device=slow)
+    return [head, *parts], {"x-kvgate-codec": chosen.name}
+
+
+class LookupRequest(BaseModel):
+    keys: list[str] = Field(max_length=MAX_LOOKUP_KEYS)
+
+
+class TierHits(BaseModel):
+    tier: str
+    hits: int = Field(description="further leading keys this tier holds")
+
+
+class LookupAnswer(BaseModel):
+    prefix: int = Field(description="how many leading keys are stored, in any tier")
+    tiers: list[TierHits]
+
+
+_OBJECT_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "The object's bytes, or a kvgate frame (verified, then decoded).",
+        "content": {
+            OCTETS: {"schema": {"type": "string", "format": "binary"}},
+            FRAME_TYPE: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+_OBJECT_ANSWER: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The object's bytes (kind, dtype, shape in x-kvgate-* headers), or its "
+        "frame when Accept names application/vnd.kvgate.frame",
+        "content": {
+            OCTETS: {"schema": {"type": "string", "format": "binary"}},
+            FRAME_TYPE: {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+    404: {"description": "Not stored"},
+}
+_LOOKUP_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": LookupRequest.model_json_schema()}},
+    }
+}
+
+Str = str | None
+KeyPath = Annotated[str, Path(description="the key: LMCache's form or printable UTF-8")]
+
+
+def object_router() -> APIRouter:
+    router = APIRouter(tags=["objects"])
+
+    @router.put(
+        "/v1/objects/{key:path}",
+        status_code=204,
+        response_class=Response,
+        openapi_extra=_OBJECT_BODY,
+        responses={413: {"description": "Body over the limit"}},
+    )
+    async def put_object(
+        key: KeyPath,
+        request: Request,
+        content_type: Annotated[Str, Header()] = None,
+        x_kvgate_kind: Annotated[Str, Header(description="tensor, ndarray or bytes")] = None,
+        x_kvgate_dtype: Annotated[Str, Header(description="e.g. bfloat16 (a tensor)")] = None,
+        x_kvgate_shape: Annotated[Str, Header(description="comma-separated ints")] = None,
+        x_kvgate_format: Annotated[Str, Header(description="LMCache memory format")] = None,
+        x_kvgate_ttl: Annotated[Str, Header(description="seconds to keep the object")] = None,
+        x_kvgate_durable: Annotated[Str, Header(description=DURABLE_HEADER)] = None,
+    ) -> Response:
+        """Store an object (204: in the first tier; with x-kvgate-durable: true or the store's
+        write_policy through, in every tier). Plain bytes or, with the frame media type, a
+        kvgate frame."""
+        state = state_of(request)
+        durable = parse_durable(x_kvgate_durable)
+        ttl = parse_ttl(x_kvgate_ttl)
+        fmt = parse_format(x_kvgate_format)
+        media = (content_type or OCTETS).partition(";")[0].strip().lower()
+        if media not in (OCTETS, FRAME_TYPE):
+            raise BadRequest(f"Content-Type must be {OCTETS} or {FRAME_TYPE}, not {media!r}")
+        body: Body = await read_body(request, state.max_body, state.body_pool, state.body_budget)
+        try:
+            if media == FRAME_TYPE:
+                obj, header = await frame_object(body.view, state.codecs, state.max_body, key)
+                ttl = ttl if ttl is not None else header.ttl
+                fmt = header.fmt
+            else:
+                obj = object_of(body, x_kvgate_kind, x_kvgate_dtype, x_kvgate_shape)
+            await state.store.put(key, obj, fmt=fmt, ttl=ttl, durable=durable)
+        finally:
+            body.release()  # the store copied the object before put returned
+        return Response(status_code=204)
+
+    @router.get("/v1/objects/{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
+    async def get_object(
+        key: KeyPath,
+        request: Request,
+        accept: Annotated[Str, Header()] = None,
+        x_kvgate_codec: Annotated[Str, Header(description="codec of a frame answer")] = None,
+        x_kvgate_codec_options: Annotated[Str, Header(description="its options, JSON")] = None,
+    ) -> Response:
+        """The object: its bytes, or its frame encoded with the codec asked for."""
+        state = state_of(request)
+        found = await stored_object(state.store, key)
+        if found is None:
+            raise NotFound(f"no object under key {key!r}")
+        obj, data = found
+        headers = meta_headers(data.meta)
+        if wants_frame(accept):
+            parts, more = await frame_parts(
+                state, key, data, x_kvgate_codec, x_kvgate_codec_options
+            )
+            return PartsResponse(parts, media_type=FRAME_TYPE, headers=headers | more, keep=obj)
+        raw = await offload(data.meta.nbytes, data.host, device=not data.on_host)
+        return PartsResponse([raw], media_type=OCTETS, headers=headers, keep=obj)
+
+    @router.head("/v1/objects/{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
+    async def head_object(key: KeyPath, request: Request) -> Response:
+        """The headers a plain GET would answer, without the body."""
+        store = state_of(request).store
+        found = await stored_object(store, key)
+        if found is None:
+            raise NotFound(f"no object under key {key!r}")
+        meta = found[1].meta
+        headers = meta_headers(meta) | {"content-length": str(meta.nbytes)}
+        return Response(status_code=200, headers=headers, media_type=OCTETS)
+
+    @router.delete(
+        "/v1/objects/{key:path}",
+        status_code=204,
+        response_class=Response,
+        responses={404: {"description": "Not stored"}},
+    )
+    async def delete_object(key: KeyPath, request: Request) -> Response:
+        """Remove the object from every tier (204), or 404 when no tier held it."""
+        if not await state_of(request).store.delete(key):
+            raise NotFound(f"no object under key {key!r}")
+        return Response(status_code=204)
+
+    @router.post("/v1/lookup", response_model=LookupAnswer, openapi_extra=_LOOKUP_BODY)
+    async def lookup(request: Request) -> LookupAnswer:
+        """How many leading keys are stored (LMCache's prefix rule), and in which tier."""
+        state = state_of(request)
+        asked = await read_json(request, state.max_json, LookupRequest)
+        detail = await state.store.lookup_detail(asked.keys)
+        tiers = [TierHits(tier=name, hits=n) for name, n in detail]
+        return LookupAnswer(prefix=sum(n for _, n in detail), tiers=tiers)
+
+    return router

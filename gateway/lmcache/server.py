@@ -1,0 +1,622 @@
+"""LMCache's ``lm://`` protocol served on top of a Store, so LMCache can use kvgate unchanged.
+
+``serve_lm(store, host, port)`` starts an asyncio server speaking the protocol byte for byte
+(``gateway.lmcache.wire``). Objects land in the Store under the LMCache key string, so an HTTP GET
+of the same key sees them:
+
+- a PUT whose dtype code names a dtype and whose shape (trailing zeros stripped) holds exactly
+  ``length`` bytes is stored as a tensor of that dtype and shape, with its memory format;
+  anything else (no dtype, a shape that does not fit) as bytes. A GET answers with the stored
+  format, dtype and shape; bytes, and tensors whose dtype or rank the wire cannot carry, go
+  back as uint8 ``[length, 0, 0, 0]``. A kvgate tombstone PUT deletes the key.
+- LIST is answered (200 with an empty list: kvgate does not enumerate its tiers over lm://);
+  the stock server never answers it.
+- A malformed or truncated header, an unknown command, a negative length or one over
+  ``max_payload`` closes that one connection; a key that is not an LMCache key string is a
+  miss (GET, EXIST) or dropped (PUT, after reading its payload). Store failures are misses,
+  never crashes.
+
+What a client's numbers cannot do (the protocol has no authentication: see ``serve``):
+
+- make the server allocate: a PUT's payload buffer is a mapping of untouched pages that become
+  memory only as the bytes arrive, and the bytes received and not yet stored are charged, as
+  they arrive, to one server-wide ``ArrivalBudget`` (``payload_budget``): past it a connection
+  stops reading until stored payloads give bytes back. Declared lengths cost nothing, real ones
+  are bounded together; buffers kept between PUTs are bounded together too;
+- hold a connection: a request must never stall for ``request_timeout`` seconds and, after
+  that long, must average ``min_rate`` bytes a second (so a trickle is closed long before its
+  end); a reply must be taken as fast; past that the connection is closed;
+- lock others out: ``max_connections`` bounds the connections, and a full server makes room
+  for a new one by closing an idle one: first one that never sent a whole request (an idle
+  flood's; the oldest first), then one idle between requests for ``RECLAIM_IDLE`` s, the most
+  recently opened first (so long-lived engine connections go last); only when none is idle is
+  the newcomer refused, with a log line.
+  Idle connections are otherwise kept as long as they like (``idle_timeout`` None), because
+  LMCache's client opens one connection when it starts and never reconnects: closing an idle
+  engine's connection would cut it off for good.
+
+Why a ``BufferedProtocol`` rather than stream readers: payloads are received straight into one
+reused buffer per connection (no per-chunk allocation and copy), and GET replies are written
+from the cache's memory on a duplicate of the socket, so the transport never copies a chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import weakref
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gateway.errors import GatewayError, InvalidKey
+from gateway.host_memory import anonymous_memory
+from gateway.keys import Key
+from gateway.lmcache.arrival_budget import ArrivalBudget
+from gateway.lmcache.wire import (
+    CODE_OF_DTYPE,
+    DTYPE_OF_CODE,
+    FOUND,
+    HEALTHY,
+    INT32_MAX,
+    MISS,
+    REQUEST,
+    Code,
+    Command,
+    Reply,
+    Request,
+    WireError,
+    encode_reply,
+    pad_shape,
+    parse_request,
+    strip_shape,
+)
+from gateway.log_limit import RepeatLimiter
+from gateway.objects import HAS_TORCH, ITEMSIZE, ObjectMeta, to_object_data, torch_dtype
+from gateway.store import Store
+from gateway.transport import stream_transport
+
+log = logging.getLogger("kvgate.lmserver")
+T = TypeVar("T")
+D = TypeVar("D")
+
+KEEP_BUFFER = 64 << 20  # a connection keeps its receive buffer up to this size between PUTs
+KEEP_TOTAL = 256 << 20  # ... and all connections together keep at most this much
+MAP_FROM = 1 << 20  # payload buffers from this size on are mappings of untouched pages
+MIN_READ = 64 << 10  # the smallest read of a payload near the budget's limit
+DIRECT_SEND = 256 << 10  # GET payloads from this size on are sent without the transport
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_REQUEST_TIMEOUT = 30.0  # seconds a request may take to arrive, from its first byte
+MIN_RATE = 1 << 20  # bytes/s a payload, received or sent, must at least average
+RECLAIM_IDLE = 0.5  # seconds idle after which a full server may close a connection
+SWEEP_EVERY = 0.5  # seconds between checks of the connections' pace
+
+
+async def serve_lm(
+    store: Store,
+    host: str,
+    port: int,
+    *,
+    max_payload: int | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    idle_timeout: float | None = None,
+    payload_budget: int | None = None,
+    min_rate: int = MIN_RATE,
+) -> asyncio.Server:
+    """Start serving lm:// on ``host:port``; ``close_lm(server)`` stops it.
+
+    ``max_payload``: the largest PUT (default and at most ``max_object_size``).
+    ``request_timeout``: seconds a request may stall; after that long from its first byte it
+    must also average ``min_rate`` bytes a second (a header: arrive whole); the same bounds
+    taking a reply. ``idle_timeout``: close a
+    connection idle (between requests) that long; None keeps it (see the module docstring).
+    ``payload_budget``: bytes received and not yet stored, all connections together (default
+    twice ``max_payload``); past it a connection stops reading until some are stored.
+    """
+    await store.open()
+    limit = min(max_payload or store.config.max_object_size, INT32_MAX)
+    budget = ArrivalBudget(payload_budget or 2 * limit)
+    state = _Shared(store, limit, max_connections, request_timeout, idle_timeout, budget)
+    state.min_rate = min_rate
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _LmProtocol(state), host, port)
+    state.sweeper = loop.create_task(state.sweep(), name="kvgate-lm-sweeper")
+    _SHARED[server] = state
+    log.info("lm:// server on %s:%d", host, port)
+    return server
+
+
+class _Shared:
+    """What every connection of one server shares."""
+
+    def __init__(
+        self,
+        store: Store,
+        max_payload: int,
+        max_connections: int,
+        request_timeout: float,
+        idle_timeout: float | None,
+        budget: ArrivalBudget,
+    ) -> None:
+        self.store = store
+        self.max_payload = max_payload
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self.idle_timeout = idle_timeout
+        self.budget = budget
+        self.open: set[_LmProtocol] = set()
+        self.min_rate = MIN_RATE
+        self.kept = 0  # bytes of receive buffers connections keep between PUTs
+        self.lines = RepeatLimiter()  # one line per kind of trouble, not one per connection
+        self.sweeper: asyncio.Task[None] | None = None
+
+    @property
+    def connections(self) -> int:
+        return len(self.open)
+
+    def note(self, kind: str, message: str, *args: object) -> None:
+        """A warning about ``kind``, at most one per RepeatLimiter interval (with a count)."""
+        unlogged = self.lines.admit(kind)
+        if unlogged is not None:
+            more = f" ({unlogged} more since the last such line)" if unlogged else ""
+            log.warning("lm:// " + message + more, *args)
+
+    def admit(self) -> bool:
+        """Room for one more connection: a full server closes an idle one to make it (see
+        ``_LmProtocol.reclaim_rank`` for which); none idle, the newcomer is refused."""
+        if len(self.open) < self.max_connections:
+            return True
+        now = asyncio.get_running_loop().time()
+        ranked = [(rank, c) for c in self.open if (rank := c.reclaim_rank(now)) is not None]
+        if not ranked:  # a client sending a payload, or being served, keeps its connection
+            self.note(
+                "refused",
+                "server full (%d connections, none idle): a new connection was refused",
+                len(self.open),
+            )
+            return False
+        victim = min(ranked, key=lambda pair: pair[0])[1]
+        self.note(
+            "reclaimed",
+            "server full (%d connections): closed one idle for %.1f s (%d requests served) "
+            "to admit a new one",
+            len(self.open),
+            victim.idle_for(now),
+            victim.served,
+        )
+        victim.close("reclaimed for a new connection")
+        return True
+
+    async def sweep(self) -> None:
+        """Close connections whose request is overdue, or idle past ``idle_timeout``."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            now = loop.time()
+            for conn in list(self.open):
+                if conn.overdue(now):
+                    self.note("overdue", "closed a connection whose request was overdue")
+                    conn.close("request overdue")
+                elif self.idle_timeout is not None and conn.idle_for(now) > self.idle_timeout:
+                    conn.close("idle timeout")
+
+
+_SHARED: weakref.WeakKeyDictionary[asyncio.Server, _Shared] = weakref.WeakKeyDictionary()
+
+
+class _LmProtocol(asyncio.BufferedProtocol):
+    """One client connection: read a header, then its payload, handle it, repeat."""
+
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
+        self.transport: asyncio.Transport | None = None
+        self.header = bytearray(REQUEST.size)
+        self.buffer: memoryview = memoryview(b"")  # the payload buffer, reused across PUTs
+        self.target = memoryview(self.header)  # what get_buffer fills now
+        self.got = 0
+        self.request: Request | None = None
+        self.started: float | None = None  # when the request being received began arriving
+        self.last_byte = 0.0  # when the latest bytes arrived
+        self.served = 0  # requests handled on this connection
+        self.parked_at: float | None = None  # reading stopped by the payload budget, since
+        self.handling = False  # a request is being handled (reading is paused meanwhile)
+        self.idle_since = self.opened_at = asyncio.get_running_loop().time()
+        self.task: asyncio.Task[None] | None = None
+        self.direct: socket.socket | None = None
+        self.can_write: asyncio.Event = asyncio.Event()
+        self.can_write.set()
+        self._kept = False  # the buffer counts in the server's kept bytes
+
+    # -- transport callbacks --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = stream_transport(transport)
+        # Pause as soon as anything is buffered, so that can_write means "buffer empty".
+        transport.set_write_buffer_limits(high=0)
+        if not self.shared.admit():
+            transport.close()
+            return
+        self.shared.open.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.shared.open.discard(self)
+        self.can_write.set()  # a writer waiting for room finds the transport closing
+        if self.task is not None:
+            self.task.cancel()
+        if self.direct is not None:
+            self.direct.close()
+            self.direct = None
+        self._drop_buffer()
+        if self.task is None or self.task.done():  # else the task gives it back as it ends
+            self.shared.budget.release(self)
+
+    def overdue(self, now: float) -> bool:
+        """Whether the request being received is late: stalled for ``request_timeout``, or
+        behind its pace (after ``request_timeout`` s, ``min_rate`` bytes a second on average:
+        a trickle that would hold the connection for ever is late long before its end)."""
+        if self.started is None or self.parked_at is not None:  # parked: the server's wait
+            return False
+        timeout = self.shared.request_timeout
+        due = self.started + timeout + self.got / self.shared.min_rate
+        return now > due or now - self.last_byte > timeout
+
+    def reclaim_rank(self, now: float) -> tuple[int, float] | None:
+        """Where this connection stands when a full server must close one (lowest first), or
+        None when it must not: a request under way keeps its connection.
+
+        First a connection that never sent a whole request (an idle flood's), or has sent
+        part of a header for RECLAIM_IDLE s (LMCache's client sends one in one piece), the
+        oldest first, so that each newcomer gets the longest time to speak. Then one that has
+        served requests and been idle RECLAIM_IDLE s, the most recently opened first: an
+        engine's connection, opened when it started and never reopened (LMCache's client
+        does not reconnect), is the last to go.
+        """
+        if self.handling or self.request is not None:
+            return None
+        if self.started is not None:
+            return (0, self.started) if now - self.started >= RECLAIM_IDLE else None
+        if self.served == 0:
+            return (0, self.opened_at)
+        if now - self.idle_since >= RECLAIM_IDLE:
+            return (1, -self.opened_at)
+        return None
+
+    def idle_for(self, now: float) -> float:
+        """Seconds this connection has given the server nothing to do: between requests, or
+        in a header that has not arrived whole (LMCache's client sends one in one piece);
+        0 while a payload arrives or a request is handled."""
+        if self.handling or self.request is not None:
+            return 0.0
+        if self.started is not None:  # part of a header
+            return now - self.started
+        return now - self.idle_since
+
+    def pause_writing(self) -> None:
+        self.can_write.clear()
+
+    def resume_writing(self) -> None:
+        self.can_write.set()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        # At most the rest of the current header or payload: a read never crosses into the
+        # next request, so pipelined requests wait in the socket until this one is handled.
+        # A payload's read is also kept to what the payload budget has room for.
+        if self.request is not None:
+            room = self.shared.budget.room(self, MIN_READ)
+            if room is not None:
+                return self.target[self.got : self.got + room]
+        return self.target[self.got :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_byte = now = self._now()
+        if self.started is None:  # the first bytes of a request
+            self.started = now
+        self.got += nbytes
+        within = self.request is None or self.shared.budget.charge(self, nbytes)
+        if self.got < len(self.target):
+            if not within:  # over the payload budget: wait for stored payloads to give back
+                assert self.transport is not None
+                self.transport.pause_reading()
+                self.parked_at = now
+                self.shared.budget.park(self)  # may resume it at once (see ArrivalBudget)
+            return
+        if self.request is None:
+            self._header_done()
+        else:
+            self._start(self.request, self.target)
+
+    def eof_received(self) -> bool:
+        return False  # close; a request cut short is dropped
+
+    # -- the request cycle ----------------------------------------------------------------
+
+    def close(self, why: str) -> None:
+        """Close the connection (from the server: reclaimed, overdue)."""
+        self.shared.open.discard(self)
+        self._close(why)
+
+    def _close(self, why: str) -> None:
+        log.debug("lm:// closing a connection: %s", why)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _header_done(self) -> None:
+        try:
+            req = parse_request(self.header)
+        except WireError as exc:
+            self._close(str(exc))
+            return
+        if req.command != Command.PUT or req.length == 0:
+            self._start(req, memoryview(b""))
+            return
+        if req.length > self.shared.max_payload:
+            self._close(f"payload of {req.length} bytes over {self.shared.max_payload}")
+            return
+        self._receive(req)
+
+    def resume(self) -> None:
+        """The payload budget lets this connection read again (``ArrivalBudget.Receiver``)."""
+        if self.parked_at is None or self.transport is None or self.transport.is_closing():
+            return
+        now = self._now()
+        if self.started is not None:  # the time parked was the server's, not the client's
+            self.started += now - self.parked_at
+        self.parked_at = None
+        self.last_byte = now
+        self.transport.resume_reading()
+
+    def _receive(self, req: Request) -> None:
+        """Receive ``req``'s payload into the connection's buffer, from the next byte on."""
+        if self.buffer.nbytes < req.length:
+            self._drop_buffer()
+            self.buffer = _untouched(req.length)
+        self.request = req
+        self.target = self.buffer[: req.length]
+        self.got = 0
+        now = self._now()
+        self.started = now  # the payload's pace counts from here
+
+    def _start(self, req: Request, payload: memoryview) -> None:
+        assert self.transport is not None
+        self.transport.pause_reading()  # one request at a time per connection
+        self.handling = True
+        self.started = None
+        self.task = asyncio.get_running_loop().create_task(self._run(req, payload))
+
+    async def _run(self, req: Request, payload: memoryview) -> None:
+        try:
+            if not self.can_write.is_set():  # the client has not taken earlier replies yet
+                async with asyncio.timeout(self.shared.request_timeout):
+                    await self.can_write.wait()
+            await self._handle(req, payload)
+        except TimeoutError:
+            self.shared.note("slow reader", "closed a connection that did not take its reply")
+            self._close("replies not taken in time")
+            return
+        except Exception:  # a bug here must cost one connection, never the server
+            log.exception("lm:// request failed; closing its connection")
+            self._close("internal error")
+            return
+        finally:
+            self.shared.budget.release(self)  # the store holds its own copy now
+            self.handling = False
+            self.idle_since = self._now()
+            self.served += 1
+        self._keep_or_drop_buffer()
+        self.request = None
+        self.target = memoryview(self.header)
+        self.got = 0
+        assert self.transport is not None
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _keep_or_drop_buffer(self) -> None:
+        """Keep the payload buffer for the next PUT unless it is large or too many are kept."""
+        size = self.buffer.nbytes
+        if self.buffer.readonly or not size:
+            return
+        if self._kept:
+            return
+        if size > KEEP_BUFFER or self.shared.kept + size > KEEP_TOTAL:
+            self._drop_buffer()
+            return
+        self._kept = True
+        self.shared.kept += size
+
+    def _drop_buffer(self) -> None:
+        if self._kept:
+            self.shared.kept -= self.buffer.nbytes
+            self._kept = False
+        self.buffer = memoryview(b"")
+
+    async def _handle(self, req: Request, payload: memoryview) -> None:
+        store = self.shared.store
+        if req.command == Command.HEALTH:
+            self._write(encode_reply(HEALTHY))
+            return
+        if req.command == Command.LIST:
+            self._write(encode_reply(Reply(Code.OK, 0)))
+            return
+        try:
+            key = str(Key.parse(req.key))
+        except InvalidKey as exc:
+            log.debug("lm:// %s with an invalid key: %s", req.command.name, exc)
+            key = ""
+        if req.command == Command.PUT:
+            if key:
+                await self._put(key, req, payload)
+        elif req.command == Command.EXIST:
+            found = bool(key) and await self._guard(store.contains(key), False)
+            self._write(encode_reply(FOUND if found else MISS))
+        else:  # GET
+            await self._get(key)
+
+    async def _get(self, key: str) -> None:
+        found = await self._guard(_get_with_format(self.shared.store, key), None) if key else None
+        if found is None:
+            self._write(encode_reply(MISS))
+            return
+        obj, fmt = found
+        data = to_object_data(obj, fmt)
+        reply = _reply_for(data.meta)
+        if reply is None:
+            log.warning("lm:// GET %s: %d bytes do not fit lm://", key, data.meta.nbytes)
+            self._write(encode_reply(MISS))
+            return
+        view = data.host()
+        limit = self.shared.request_timeout + view.nbytes / self.shared.min_rate
+        try:
+            async with asyncio.timeout(limit):  # a client that does not read loses its turn
+                await self._send(encode_reply(reply), view)
+        except TimeoutError:
+            self.shared.note("slow reader", "closed a connection that did not take its reply")
+            self._close("reply not taken in time")
+
+    async def _send(self, reply: bytes, view: memoryview) -> None:
+        self._write(reply)  # alone: LMCache's client reads it with one recv(36)
+        await self.can_write.wait()  # the transport's buffer is empty: the payload comes next
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return
+        if view.nbytes < DIRECT_SEND:
+            self._write(view)
+            await self.can_write.wait()
+            return
+        # obj (and its lease on the cache) lives until the payload is sent.
+        await asyncio.get_running_loop().sock_sendall(self._direct_socket(), view)
+
+    def _direct_socket(self) -> socket.socket:
+        """A duplicate of the connection's socket, for payloads sent without a copy.
+
+        Python 3.11's transport copies whatever the socket does not take at once into its own
+        buffer (a 32 MiB chunk costs a fresh 30 MiB copy); ``loop.sock_sendall`` sends from
+        the caller's memory. The duplicate is used only while the transport has nothing
+        buffered and reading is paused, so bytes never interleave.
+        """
+        if self.direct is None:
+            assert self.transport is not None
+            fd = self.transport.get_extra_info("socket").fileno()
+            self.direct = socket.socket(fileno=os.dup(fd))
+            self.direct.setblocking(False)
+        return self.direct
+
+    async def _guard(self, call: Awaitable[T], default: D) -> T | D:
+        """A store failure is a miss for the client (and a log line for the operator)."""
+        try:
+            return await call
+        except GatewayError as exc:
+            self.shared.note(f"store {exc.kind}", "store call failed: %s", exc)
+            return default
+
+    async def _put(self, key: str, req: Request, payload: memoryview) -> None:
+        store = self.shared.store
+        if req.is_tombstone:
+            await self._guard(store.delete(key), False)
+            return
+        await self._guard(store.put(key, _payload_object(req, payload), fmt=req.fmt), None)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        assert self.transport is not None
+        if not self.transport.is_closing():
+            self.transport.write(data)
+
+
+async def _get_with_format(store: Store, key: str) -> tuple[object, int] | None:
+    """The object under ``key`` and the memory format it was stored with."""
+    found = await store.get_with_meta(key)
+    return None if found is None else (found[0], int(found[1].fmt))
+
+
+def _untouched(nbytes: int) -> memoryview:
+    """A payload buffer whose memory is taken as the bytes arrive: a large one is a mapping of
+    untouched pages (a bytearray would be zeroed, all of it, before a byte arrived)."""
+    if nbytes < MAP_FROM:
+        return memoryview(bytearray(nbytes))
+    return memoryview(anonymous_memory(nbytes, populate=False, huge_pages=False))[:nbytes]
+
+
+def _payload_object(req: Request, payload: memoryview) -> object:
+    """A tensor view over ``payload`` when the header describes it, else a bytes copy."""
+    dtype = DTYPE_OF_CODE[req.dtype]
+    shape = strip_shape(req.shape)
+    if HAS_TORCH and dtype is not None:
+        count = 1
+        for d in shape:
+            count *= d
+        if count * ITEMSIZE[dtype] == req.length:
+            import torch
+
+            tdtype = torch_dtype(dtype)
+            if req.length == 0:
+                return torch.empty(shape, dtype=tdtype)
+            # A view, no copy: the store copies it into its own memory before put returns.
+            flat = torch.frombuffer(payload, dtype=torch.uint8)
+            return flat.view(tdtype).reshape(shape)
+    return bytes(payload)
+
+
+def _reply_for(meta: ObjectMeta) -> Reply | None:
+    """The GET reply header for a stored object, or None when it cannot travel."""
+    if meta.nbytes > INT32_MAX:
+        return None
+    code = CODE_OF_DTYPE.get(meta.dtype) if meta.kind in ("tensor", "ndarray") else None
+    dims = pad_shape(meta.shape) if code is not None else None
+    if code is None or dims is None:
+        code, dims = CODE_OF_DTYPE["uint8"], (meta.nbytes, 0, 0, 0)
+    fmt = meta.fmt if 0 <= meta.fmt <= 8 else 0
+    return Reply(Code.OK, meta.nbytes, fmt, code, dims)
+
+
+@dataclass(frozen=True, slots=True)
+class LmStats:
+    """What an lm:// server holds now."""
+
+    connections: int
+    received_bytes: int  # payload bytes received and not stored yet (the payload budget's use)
+    waiting: int  # connections stopped by the payload budget
+
+
+def lm_stats(server: asyncio.Server) -> LmStats:
+    """The state of a server ``serve_lm`` started (zeros once it is closed)."""
+    shared = _SHARED.get(server)
+    if shared is None:
+        return LmStats(0, 0, 0)
+    return LmStats(len(shared.open), shared.budget.used, shared.budget.parked)
+
+
+@contextlib.asynccontextmanager
+async def lm_serving(
+    store: Store, host: str, port: int, **options: Any
+) -> AsyncIterator[asyncio.Server]:
+    """``serve_lm`` for the length of a ``async with`` block (``options`` are its own), then
+    ``close_lm``: the form ``gateway.http.app.create_app``'s companions take."""
+    server = await serve_lm(store, host, port, **options)
+    try:
+        yield server
+    finally:
+        await close_lm(server)
+
+
+async def close_lm(server: asyncio.Server) -> None:
+    """Stop accepting, then close every open connection (Python 3.11's ``Server.close``
+    leaves them open); a request in progress is cut off."""
+    server.close()
+    shared = _SHARED.pop(server, None)
+    if shared is not None and shared.sweeper is not None:
+        shared.sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await shared.sweeper
+    if shared is not None:
+        for conn in list(shared.open):
+            if conn.transport is not None:
+                conn.transport.abort()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(server.wait_closed(), 5.0)
+    await asyncio.sleep(0)  # let connection_lost run

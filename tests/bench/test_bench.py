@@ -1,0 +1,94 @@
+"""How ``kvgate bench`` combines repeated runs: medians of each side, ratios of medians."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gateway.bench.store import BenchResult, combine_runs
+from gateway.cli.app import app
+
+
+def _run(put: float, base_put: tuple[float, float], *, hits: int = 4) -> BenchResult:
+    r = BenchResult(["file:///x"], 1 << 20, 4, 1, "disk")
+    r.put_gbps, r.get_gbps, r.get_copy_gbps = put, 2 * put, put / 2
+    r.put_runs, r.get_runs, r.get_copy_runs = [put], [2 * put], [put / 2]
+    r.baseline_put_runs = list(base_put)
+    r.baseline_get_runs = [4.0, 4.0]
+    r.baseline_put_gbps = sum(base_put) / 2
+    r.baseline_get_gbps = 4.0
+    r.p50_ms, r.p99_ms = put, 10 * put
+    r.get_hits = hits
+    r.errors = {"file:///x": {"timeout": 1}}
+    return r
+
+
+def test_ratios_are_of_each_sides_median() -> None:
+    # Bimodal baselines, as on a VM disk: the median run's own ratio would be 1.0/1.0 or
+    # 1.0/2.0 by chance; the ratio of medians compares each side's typical speed.
+    runs = [_run(1.0, (1.0, 2.0)), _run(1.8, (2.0, 2.0)), _run(1.6, (1.0, 2.0))]
+    out = combine_runs(runs)
+    assert out.put_runs == [1.0, 1.8, 1.6]
+    assert out.baseline_put_runs == [1.0, 2.0, 2.0, 2.0, 1.0, 2.0]
+    assert out.put_gbps == 1.6
+    assert out.baseline_put_gbps == 2.0
+    assert out.put_ratio == pytest.approx(0.8)
+    assert out.get_ratio == pytest.approx(3.2 / 4.0)
+    assert out.get_copy_ratio == pytest.approx(0.8 / 4.0)
+    assert out.p50_ms == 1.6
+    assert out.p99_ms == 16.0
+
+
+def test_misses_and_errors_of_any_run_show() -> None:
+    out = combine_runs([_run(1.0, (1.0, 1.0)), _run(1.0, (1.0, 1.0), hits=3)])
+    assert out.get_hits == 3
+    assert out.errors == {"file:///x": {"timeout": 2}}
+
+
+def test_one_run_is_itself_and_none_is_an_error() -> None:
+    run = _run(1.0, (1.0, 1.0))
+    assert combine_runs([run]) is run
+    with pytest.raises(ValueError, match="at least one run"):
+        combine_runs([])
+
+
+def test_zero_copy_get_has_no_ratio() -> None:
+    runs = [_run(1.0, (1.0, 1.0)), _run(2.0, (1.0, 1.0))]
+    for r in runs:
+        r.get_zero_copy = True
+    assert combine_runs(runs).get_ratio == 0.0
+
+
+def test_cli_repeat_reports_every_run(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/disk"
+    args = ["bench", "-t", url, "--size", "1MiB", "-n", "4", "--repeat", "2", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert len(data["put_runs"]) == 2
+    assert len(data["baseline_put_runs"]) == 4
+    assert data["put_gbps"] == pytest.approx(
+        sorted(data["put_runs"])[0] / 2 + sorted(data["put_runs"])[1] / 2
+    )
+    assert data["put_ratio"] == pytest.approx(data["put_gbps"] / data["baseline_put_gbps"])
+    assert data["get_hits"] == 4
+
+
+@pytest.mark.parametrize("nbytes", ["1MiB", str((1 << 20) + 5)])
+def test_cli_direct_io_tier_has_an_o_direct_baseline(tmp_path: Path, nbytes: str) -> None:
+    """With direct_io the disk baseline bypasses the page cache too (baseline disk-direct),
+    also for a size that is not a block multiple; every object is read back."""
+    url = f"file://{tmp_path}/disk"
+    args = ["bench", "-t", url, "--size", nbytes, "-n", "4", "--repeat", "1", "--json"]
+    args += ["--tier-options", '{"direct_io": true}']
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["baseline"] == "disk-direct"
+    assert data["get_hits"] == 4
+    assert data["errors"] == {}
+    assert data["baseline_put_gbps"] > 0
+    assert data["baseline_get_gbps"] > 0

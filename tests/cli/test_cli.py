@@ -1,0 +1,70 @@
+"""The kvgate command: connectors listing and a small bench run, end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from gateway.cli.app import app
+
+runner = CliRunner()
+
+
+def test_connectors_json() -> None:
+    result = runner.invoke(app, ["connectors", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    names = {c["name"]: c for c in data["connectors"]}
+    assert names["file"]["usable"]
+    assert names["memory"]["usable"]
+    assert {c["name"] for c in data["codecs"]} >= {"raw", "zstd"}
+
+
+def test_connectors_table() -> None:
+    result = runner.invoke(app, ["connectors"])
+    assert result.exit_code == 0
+    assert "blackhole" in result.stdout
+
+
+def test_bench_memory_json() -> None:
+    result = runner.invoke(app, ["bench", "--size", "64KiB", "-n", "20", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for field in (
+        "put_gbps",
+        "get_gbps",
+        "baseline_put_gbps",
+        "baseline_get_gbps",
+        "p50_ms",
+        "p99_ms",
+    ):
+        assert data[field] > 0, field
+    assert data["get_hits"] == 20
+    assert data["baseline"] == "memcpy"
+
+
+def test_bench_disk_tier_table(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/disk"
+    result = runner.invoke(app, ["bench", "-t", url, "--size", "1MiB", "-n", "4", "--cold"])
+    assert result.exit_code == 0, result.output
+    assert "baseline (disk)" in result.stdout
+    assert "hits 4/4" in result.stdout
+
+
+def test_serve_refuses_non_loopback() -> None:
+    result = runner.invoke(app, ["serve", "--host", "0.0.0.0"])
+    assert result.exit_code == 2
+
+
+def test_serve_keeps_lm_private_unless_told() -> None:
+    """lm:// has no authentication: a public lm:// bind is refused, with a token too."""
+    for args in (
+        ["serve", "--lm-port", "9999", "--lm-host", "0.0.0.0"],
+        ["serve", "--token", "T0KEN", "--host", "0.0.0.0", "--lm-port", "9999", "--lm-host", "::"],
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2
+        assert "--lm-public" in result.output
+        assert "T0KEN" not in result.output

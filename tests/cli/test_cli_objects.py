@@ -1,0 +1,112 @@
+"""``kvgate put|get|stat|ls`` against a real kvgate service on loopback."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import typer
+from servers.gateway_server import GatewayServer, gateway_server_at
+from servers.proc import free_port
+from typer.testing import CliRunner
+
+from gateway.cli.objects import register
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    yield from gateway_server_at(tmp_path_factory.mktemp("gateway-cli"))
+
+
+@pytest.fixture
+def kvgate(server: GatewayServer, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.setenv("KVGATE_URL", server.http_url)
+    monkeypatch.delenv("KVGATE_TOKEN", raising=False)
+    return CliRunner()
+
+
+APP = typer.Typer()
+register(APP)
+
+
+def run(runner: CliRunner, *args: str, stdin: bytes | None = None) -> tuple[int, bytes, str]:
+    result = runner.invoke(APP, list(args), input=stdin)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout_bytes, result.stderr
+
+
+def test_put_then_get_a_file_and_stdin(kvgate: CliRunner, tmp_path: Path) -> None:
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    src = tmp_path / "in.bin"
+    src.write_bytes(data)
+    code, out, _ = run(kvgate, "put", "cli/file", str(src), "--json")
+    assert code == 0
+    assert json.loads(out) == {
+        "key": "cli/file", "size": len(data), "kind": "bytes", "dtype": None, "shape": None,
+        "seconds": json.loads(out)["seconds"],
+    }  # fmt: skip
+    dst = tmp_path / "out.bin"
+    code, out, _ = run(kvgate, "get", "cli/file", "-o", str(dst), "--json")
+    assert code == 0
+    assert dst.read_bytes() == data
+    assert json.loads(out)["size"] == len(data)
+    assert not list(tmp_path.glob(".*.part"))
+
+    code, _, _ = run(kvgate, "put", "cli/stdin", "-", stdin=b"from stdin")
+    assert code == 0
+    code, out, _ = run(kvgate, "get", "cli/stdin")
+    assert (code, out) == (0, b"from stdin")
+
+
+def test_a_tensor_keeps_its_dtype_and_shape(kvgate: CliRunner, tmp_path: Path) -> None:
+    arr = np.arange(2 * 3 * 4, dtype=np.float16).reshape(2, 3, 4)
+    src = tmp_path / "t.bin"
+    src.write_bytes(arr.tobytes())
+    args = ("put", "cli/tensor", str(src), "--dtype", "float16", "--shape", "2,3,4")
+    assert run(kvgate, *args)[0] == 0
+    code, out, err = run(kvgate, "get", "cli/tensor", "--json")
+    assert code == 0
+    assert np.array_equal(np.frombuffer(out, np.float16).reshape(2, 3, 4), arr)
+    meta = json.loads(err.strip().splitlines()[-1])
+    assert (meta["dtype"], meta["shape"], meta["size"]) == ("float16", [2, 3, 4], arr.nbytes)
+    code, out, _ = run(kvgate, "stat", "cli/tensor", "--json")
+    assert code == 0
+    assert json.loads(out)["key"] == "cli/tensor"
+
+
+def test_missing_object_exits_1(kvgate: CliRunner) -> None:
+    code, out, err = run(kvgate, "get", "cli/never-written")
+    assert (code, out) == (1, b"")
+    assert "no object 'cli/never-written'" in err
+    assert run(kvgate, "stat", "cli/never-written")[0] == 1
+
+
+def test_odd_keys_travel_as_one_path_segment(kvgate: CliRunner, tmp_path: Path) -> None:
+    for i, key in enumerate(("a/b", "..", "a%2Fb", "ü 键")):
+        assert run(kvgate, "put", key, "-", stdin=f"v{i}".encode())[0] == 0
+    for i, key in enumerate(("a/b", "..", "a%2Fb", "ü 键")):
+        assert run(kvgate, "get", key)[1] == f"v{i}".encode()
+
+
+def test_ls_lists_keys_sorted_with_their_sizes(kvgate: CliRunner) -> None:
+    for i in (3, 1, 2):
+        assert run(kvgate, "put", f"ls/k{i}", "-", stdin=b"x" * i)[0] == 0
+    assert run(kvgate, "put", "other/k", "-", stdin=b"y")[0] == 0
+    code, out, _ = run(kvgate, "ls", "ls/", "--json")
+    assert code == 0
+    listed = json.loads(out)["keys"]
+    assert listed == [{"key": f"ls/k{i}", "size": i} for i in (1, 2, 3)]
+    code, out, _ = run(kvgate, "ls", "ls/", "--limit", "2")
+    assert code == 0
+    assert out.decode().split() == ["1", "ls/k1", "2", "ls/k2"]
+
+
+def test_unreachable_gateway_exits_3(kvgate: CliRunner) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    code, _, err = run(kvgate, "get", "k", "--url", url)
+    assert code == 3
+    assert "cannot reach" in err

@@ -22,10 +22,10 @@ from gateway.frame import FrameInfo, encode_header
 from gateway.objects import ObjectData, to_object, to_object_data
 from gateway.types import MemoryFormat as F
 from gpu.reference import rans as ref_rans
-from serde import cachegen_format as fmt
-from serde.cachegen import CacheGenCodec, kernels
-from serde.cachegen_model import default_block, geometry, plan
-from serde.cachegen_tables import (
+from serde.cachegen import format as fmt
+from serde.cachegen.codec import CacheGenCodec, kernels
+from serde.cachegen.model import default_block, geometry, plan
+from serde.cachegen.tables import (
     NSYM,
     TOTAL,
     build,

@@ -2,7 +2,7 @@
 
 Same functions and results as ``gpu.reference.cachegen`` (the spec; read it for the shapes):
 the statistics are float64 sums in another order (their codes agree, see
-``serde.cachegen_model``); symbols, histograms, streams and decoded values are bit-identical.
+``serde.cachegen.model``); symbols, histograms, streams and decoded values are bit-identical.
 
 The kernels read the stored tensor in place (float16 / bfloat16 bits or float32, any strides:
 ``Source``) and decode straight into the output bytes, so no float32 copy of the chunk is
@@ -20,7 +20,7 @@ import torch
 from gpu import dispatch
 from gpu.cpu import cachegen_coder, cachegen_kernels, rans
 from gpu.cpu.cachegen_source import Source, source_of
-from serde.cachegen_tables import NCLS, NCTX, NSYM, THRESHOLDS, Tables
+from serde.cachegen.tables import NCLS, NCTX, NSYM, THRESHOLDS, Tables
 
 _TH = THRESHOLDS.astype(np.int64)
 # numba dispatchers, typed loosely (they take any arrays)

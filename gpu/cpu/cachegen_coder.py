@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from gpu.cpu.cachegen_kernels import index_row, store_block
-from serde.cachegen_tables import CTX_START, NCLS, NCTX, NSYM, PREC, QMAX
+from serde.cachegen.tables import CTX_START, NCLS, NCTX, NSYM, PREC, QMAX
 
 L = np.uint64(1 << 16)
 W16 = np.uint64(16)

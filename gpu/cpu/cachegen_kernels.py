@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit
 
 from gpu.cpu.half import bf2f, f2bf, f2h, h2f
-from serde.cachegen_tables import CTX_START, NCLS, NCTX, NSYM, QMAX
+from serde.cachegen.tables import CTX_START, NCLS, NCTX, NSYM, QMAX
 
 
 @njit(nogil=True, cache=False)
@@ -71,14 +71,14 @@ def store_block(
 
 @njit(nogil=True, cache=False, inline="always")
 def context(prev: Any, th1: Any, th2: Any) -> Any:
-    """Branch-free ``serde.cachegen_tables.context_of``."""
+    """Branch-free ``serde.cachegen.tables.context_of``."""
     a = abs(prev)
     m = np.int64(a > th1) + np.int64(a > th2)
     return CTX_START + (np.int64(prev > 0) - np.int64(prev < 0)) * m
 
 
 # fastmath: the float64 sums may be reordered (vectorized); statistics only need to agree with
-# the reference to ~1e-13 (``serde.cachegen_model``), and nothing else here is fast-math.
+# the reference to ~1e-13 (``serde.cachegen.model``), and nothing else here is fast-math.
 @njit(nogil=True, cache=False, fastmath=True)
 def stats_range(
     bits: Any,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from serde.cachegen_model import FINITE_MAX
+from serde.cachegen.model import FINITE_MAX
 
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 LIMIT = {KIND[getattr(torch, name)]: v for name, v in FINITE_MAX.items()}

@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from gpu import dispatch
-from serde.cachegen_tables import NCLS, NCTX, NSYM, PREC, QMAX, THRESHOLDS, Tables, context_of
+from serde.cachegen.tables import NCLS, NCTX, NSYM, PREC, QMAX, THRESHOLDS, Tables, context_of
 
 RANS_L = np.uint64(1 << 16)
 SHIFT = np.uint64(PREC)

@@ -29,7 +29,7 @@ import torch
 
 from gpu.cpu.cachegen_source import KIND
 from gpu.reference import cachegen as ref
-from serde.cachegen_tables import CTX_START, NCLS, NCTX, NSYM, PREC, QMAX, THRESHOLDS, Tables
+from serde.cachegen.tables import CTX_START, NCLS, NCTX, NSYM, PREC, QMAX, THRESHOLDS, Tables
 
 THREADS = 128
 

@@ -2,7 +2,7 @@
 
 The numba (``gpu.cpu.cachegen``) and CUDA (``gpu.cuda.cachegen``) kernels compute the same
 integers and floats; this module says what they are. It runs on any device. The shapes, with
-``[P, L, T, D]`` the model view (``serde.cachegen_model``):
+``[P, L, T, D]`` the model view (``serde.cachegen.model``):
 
 - ``stats(x)``: float64 channel means and variances ``[P, L, D]`` and the mean over channels
   of every token's squared deviation from the channel mean divided by the channel's variance
@@ -19,7 +19,7 @@ integers and floats; this module says what they are. It runs on any device. The 
 Stream ``s = (p * L + l) * nblocks + b`` holds the channels ``b*block .. (b+1)*block - 1`` of
 (plane p, layer l), channel after channel, each channel's tokens in order. The table of symbol
 ``q[p, l, c, t]`` is ``(p * NCLS + cls[p, l, c]) * NCTX + ctx`` with ``ctx`` the context of
-``q[p, l, c, t - 1]`` (``CTX_START`` at ``t = 0``; ``serde.cachegen_tables``).
+``q[p, l, c, t - 1]`` (``CTX_START`` at ``t = 0``; ``serde.cachegen.tables``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from gpu.reference import rans
-from serde.cachegen_tables import CTX_START, NCLS, NCTX, NSYM, QMAX, THRESHOLDS, Tables
+from serde.cachegen.tables import CTX_START, NCLS, NCTX, NSYM, QMAX, THRESHOLDS, Tables
 
 
 def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from serde.cachegen_tables import PREC
+from serde.cachegen.tables import PREC
 
 RANS_L = 1 << 16
 WORD_BITS = 16

@@ -30,7 +30,7 @@ Chunks with fewer than ``MIN_TOKENS`` tokens per channel use a flat view
 ``[planes, layers, tokens * channels, 1]`` (one channel per layer) instead: per-channel
 statistics of a few tokens would cost more than they save.
 
-All of that is side information stored in the payload (``serde.cachegen_format``); the decoder
+All of that is side information stored in the payload (``serde.cachegen.format``); the decoder
 never recomputes a statistic. Codes are rounded float64 statistics, so implementations that sum
 in another order agree unless a statistic lies within ~1e-13 of a rounding boundary.
 """
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from serde.cachegen_tables import QMAX
+from serde.cachegen.tables import QMAX
 from serde.layout import KVLayout
 
 SPAN = 8.0  # bins count levels over this many standard deviations

@@ -10,7 +10,7 @@ Payload (little-endian)::
         tf      i8  [layers * tokens]             token factors of values (scaled layouts only)
         cls     u8  [planes * layers * channels]  channel classes (which tables)
         lengths u32 [streams]                     16-bit words of each stream
-        tables  (``serde.cachegen_tables.serialize``)
+        tables  (``serde.cachegen.tables.serialize``)
     words   u16 [sum(lengths)]        the streams, one after the other
 
 Every size but the tables' follows from the frame (shape, memory format, the ``block``
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from gateway.errors import CorruptObject
-from serde.cachegen_model import (
+from serde.cachegen.model import (
     BS_LOG_MAX,
     CENTER_LIMIT,
     CSTEP_LOG_MAX,
@@ -36,7 +36,7 @@ from serde.cachegen_model import (
     Geometry,
     Side,
 )
-from serde.cachegen_tables import NCLS, NCTX, NSYM, TableError, Tables, deserialize, serialize
+from serde.cachegen.tables import NCLS, NCTX, NSYM, TableError, Tables, deserialize, serialize
 
 ZSTD_LEVEL = 3
 

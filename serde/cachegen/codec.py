@@ -3,15 +3,15 @@
 The chunk is seen as ``[planes, layers, tokens, channels]`` (``serde.layout``; plane 0 keys,
 plane 1 values). Each element is quantized uniformly with a step chosen per layer from the
 configured bins and the ``quality`` knob, refined per channel (and per token for values), see
-``serde.cachegen_model``. The integer symbols are entropy coded along tokens with static rANS:
+``serde.cachegen.model``. The integer symbols are entropy coded along tokens with static rANS:
 one stream per (plane, layer, block of channels), one table per (plane, channel class,
-context of the previous token's symbol), stored compactly (``serde.cachegen_tables``), so the
+context of the previous token's symbol), stored compactly (``serde.cachegen.tables``), so the
 object costs the symbols' entropy plus about 1 % of side information and tables, not a 4 MiB
 CDF per chunk. Many independent streams let the coder run on both CPU cores (numba,
 ``gpu.cpu.cachegen``) and one stream per GPU thread (``gpu.cuda.cachegen``); all three
 implementations write the same payload (``gpu.reference.cachegen`` is the spec). The frame's
 params are ``{"v": 1, "block": channels per stream}``; everything else is in the payload
-(``serde.cachegen_format``), and a decoder derives the layout from the frame's format and shape.
+(``serde.cachegen.format``), and a decoder derives the layout from the frame's format and shape.
 
 Options:
 
@@ -57,8 +57,8 @@ from gateway.frame import FrameInfo
 from gateway.objects import ITEMSIZE, ObjectData, torch_dtype
 from gateway.types import Buffer, BufferParts, ParamValue
 from gpu import dispatch
-from serde import cachegen_format as fmt
-from serde.cachegen_model import (
+from serde.cachegen import format as fmt
+from serde.cachegen.model import (
     FINITE_MAX,
     MAX_FIX_ROUNDS,
     Geometry,
@@ -68,7 +68,7 @@ from serde.cachegen_model import (
     plan,
     widen,
 )
-from serde.cachegen_tables import classes_from_sumsq, from_counts
+from serde.cachegen.tables import classes_from_sumsq, from_counts
 from serde.layout import layout_of
 from serde.tensors import (
     check_decodable,

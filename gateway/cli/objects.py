@@ -98,16 +98,21 @@ def check(response: httpx.Response, url: str, key: str | None = None) -> None:
     raise fail(f"{url}: HTTP {status}: {detail}", 2 if status < 500 else 3)
 
 
+def shape_list(text: str | None) -> list[int] | None:
+    """A shape in its header form (``2,32,256,1024``) as ``--json`` prints it everywhere: a
+    list of ints (ValueError when a part is not one)."""
+    return [int(d) for d in text.split(",") if d.strip()] if text is not None else None
+
+
 def metadata(response: httpx.Response, key: str) -> dict[str, Any]:
     h = response.headers
-    shape = h.get("x-kvgate-shape")
     size = h.get("content-length")
     return {
         "key": key,
         "size": int(size) if size is not None and size.isdigit() else None,
         "kind": h.get("x-kvgate-kind"),
         "dtype": h.get("x-kvgate-dtype"),
-        "shape": [int(d) for d in shape.split(",") if d] if shape is not None else None,
+        "shape": shape_list(h.get("x-kvgate-shape")),
         "format": int(h["x-kvgate-format"]) if h.get("x-kvgate-format", "").isdigit() else None,
     }
 
@@ -149,6 +154,10 @@ def put(
     """Store FILE (or stdin) under KEY; with --dtype/--shape as a tensor."""
     if shape is not None and dtype is None:
         raise fail("--shape needs --dtype", 2)
+    try:
+        shape_dims = shape_list(shape)
+    except ValueError:
+        raise fail(f"--shape {shape!r}: comma-separated integers, e.g. 2,32,256,1024", 2) from None
     headers = {"content-type": "application/octet-stream"}
     for name, value in (("kind", kind), ("dtype", dtype), ("shape", shape), ("format", fmt)):
         if value is not None:
@@ -175,7 +184,7 @@ def put(
         check(response, url)
     seconds = time.perf_counter() - start
     info = {"key": key, "size": size, "kind": kind or ("tensor" if dtype else "bytes"),
-            "dtype": dtype, "shape": shape, "seconds": round(seconds, 6)}  # fmt: skip
+            "dtype": dtype, "shape": shape_dims, "seconds": round(seconds, 6)}  # fmt: skip
     if as_json:
         print(json.dumps(info))
     else:

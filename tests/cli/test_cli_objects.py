@@ -78,6 +78,30 @@ def test_a_tensor_keeps_its_dtype_and_shape(kvgate: CliRunner, tmp_path: Path) -
     assert json.loads(out)["key"] == "cli/tensor"
 
 
+def test_put_get_and_stat_print_the_shape_as_the_same_json_list(
+    kvgate: CliRunner, tmp_path: Path
+) -> None:
+    src = tmp_path / "t.bin"
+    src.write_bytes(np.zeros((2, 3, 4), np.float16).tobytes())
+    args = ("put", "cli/shape", str(src), "--dtype", "float16", "--shape", "2,3,4", "--json")
+    code, put_out, _ = run(kvgate, *args)
+    assert code == 0
+    code, _, get_err = run(kvgate, "get", "cli/shape", "--json")
+    assert code == 0
+    code, stat_out, _ = run(kvgate, "stat", "cli/shape", "--json")
+    assert code == 0
+    shapes = [json.loads(text)["shape"] for text in (put_out, get_err.splitlines()[-1], stat_out)]
+    assert shapes == [[2, 3, 4]] * 3
+
+
+def test_put_refuses_a_shape_that_is_not_integers_before_sending(kvgate: CliRunner) -> None:
+    args = ("put", "cli/bad-shape", "-", "--dtype", "uint8", "--shape", "2,x")
+    code, _, err = run(kvgate, *args, stdin=b"ab")
+    assert code == 2
+    assert "comma-separated integers" in err
+    assert run(kvgate, "stat", "cli/bad-shape")[0] == 1
+
+
 def test_missing_object_exits_1(kvgate: CliRunner) -> None:
     code, out, err = run(kvgate, "get", "cli/never-written")
     assert (code, out) == (1, b"")

@@ -103,12 +103,15 @@ class LookupRequest(BaseModel):
 
 class TierHits(BaseModel):
     tier: str
-    hits: int = Field(description="further leading keys this tier holds")
+    hits: int = Field(
+        description="how many ADDITIONAL leading keys this tier holds after those counted by "
+        "the tiers above it (a key in memory and on disk counts for memory only)"
+    )
 
 
 class LookupAnswer(BaseModel):
     prefix: int = Field(description="how many leading keys are stored, in any tier")
-    tiers: list[TierHits]
+    tiers: list[TierHits] = Field(description="per tier, in order; their hits sum to prefix")
 
 
 _OBJECT_BODY: dict[str, Any] = {
@@ -235,7 +238,12 @@ def object_router() -> APIRouter:
 
     @router.post("/v1/lookup", response_model=LookupAnswer, openapi_extra=_LOOKUP_BODY)
     async def lookup(request: Request) -> LookupAnswer:
-        """How many leading keys are stored (LMCache's prefix rule), and in which tier."""
+        """How many leading keys are stored (LMCache's prefix rule), and in which tier.
+
+        Each tier's ``hits`` counts the ADDITIONAL leading keys it holds after those the tiers
+        above it counted, so they sum to ``prefix``: a key held in memory and on disk counts
+        for memory only, and ``file: 0`` does not mean the disk lacks it.
+        """
         state = state_of(request)
         asked = await read_json(request, state.max_json, LookupRequest)
         detail = await state.store.lookup_detail(asked.keys)

@@ -46,6 +46,7 @@ log = logging.getLogger("kvgate.store")
 
 DEFAULT_L1_CAPACITY = 2 << 30
 ALLOC_WAIT_POLL = 0.05  # seconds between re-tries while waiting for pool space
+STAGING = "staging"  # lookup_detail's name for objects held in the pool of a store without L1
 # Why a ``skip`` tier's writes are bounded in bytes too, not only by ``queue_size``: a queue of
 # 64 jobs of 1 MiB pins more than a 64 MiB memory tier, and an L1 entry whose write is queued
 # cannot be evicted. With Redis stalled, every slab ended up pinned, puts found no room, went
@@ -544,7 +545,9 @@ class Store:
         return sum(n for _, n in await self.lookup_detail(keys))
 
     async def lookup_detail(self, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
-        """Per tier, in order: how many further leading keys that tier holds."""
+        """Per tier, in order: how many further leading keys that tier holds. Without a
+        memory tier, objects still in the staging pool (their writes queued) come first, as
+        ``STAGING``."""
         ks = [normalize_key(k) for k in keys]
         await self._ready()
         detail: list[tuple[str, int]] = []
@@ -556,6 +559,7 @@ class Store:
         else:
             while n < len(ks) and self._pending(ks[n]):
                 n += 1
+            detail.append((STAGING, n))
         for writer, tier in zip(self.writers, self.tiers, strict=True):
             if n == len(ks):
                 detail.append((tier.name, 0))

@@ -109,3 +109,18 @@ async def test_writes_are_not_dropped_when_dropping_them_frees_nothing() -> None
         stalled.gate.set()
         await store.flush()
     assert "big" in slow.backing.objects
+
+
+async def test_lookup_counts_objects_still_staged_without_a_memory_tier() -> None:
+    """No memory tier: a put whose lower-tier write is still queued is served from the staging
+    pool, and lookup counts it (under "staging")."""
+    lower = Gated(open=False)
+    cfg = {"tiers": [{"url": "memory://", "timeout": 5.0}], "staging": 4 * MiB}
+    async with Store(cfg, connectors={0: lower}) as store:
+        await store.put("k", b"staged")
+        assert await store.get("k") == b"staged"
+        assert await store.lookup(["k", "absent"]) == 1
+        assert (await store.lookup_detail(["k"]))[0] == ("staging", 1)
+        lower.gate.set()
+        await store.flush()
+        assert await store.lookup(["k"]) == 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 GATEWAY = Path(__file__).resolve().parents[1] / "gateway"
-WINGS = ("http", "lmcache", "bench", "cli")
+WINGS = ("http", "lmcache", "bench", "cli", "vllm")
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -1,0 +1,163 @@
+"""How vLLM's scheduler asks how many leading chunks the store holds.
+
+vLLM runs the scheduler side of a connector in the engine process and the worker side in a
+worker process, and only the worker holds a Store (with a kvgate config its data never
+crosses a process; with a gateway its Store has the gateway as its tier) and knows the KV
+cache's layout, which is part of every key. So the scheduler asks the worker: the worker
+serves lookups on a unix socket in the temp directory named after the engine
+(``socket_path``), one JSON line per question (``{"hashes": [...]}``, the chunk hashes, leading
+first -> ``{"prefix": n}``), and turns hashes into its keys itself. A failure, a timeout or an
+answer that does not parse is 0 chunks: vLLM then computes them, which is slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import stat
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gateway.log_limit import RepeatLimiter
+from gateway.store import Store
+
+log = logging.getLogger("kvgate.vllm")
+
+MAX_LINE = 1 << 20  # bytes of one question
+MAX_CHUNKS = 4096  # chunks of one question (a 1M-token prompt in 256-token chunks)
+
+
+def socket_path(engine_id: str) -> str:
+    """Where the worker of engine ``engine_id`` answers lookups (a unix socket path, short
+    enough for any platform's limit)."""
+    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"kvgate-vllm-{digest}.sock")
+
+
+async def serve_lookups(store: Store, path: str, key_of: Callable[[int], str]) -> None:
+    """Answer lookups on ``path`` until cancelled (the socket is the user's alone);
+    ``key_of`` turns a chunk hash into this worker's key."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):  # left by a worker that died
+            os.unlink(path)
+    handlers: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            handlers[task] = writer
+        try:
+            while line := await reader.readline():
+                hashes = _hashes_of(line)
+                prefix = 0
+                if hashes is not None:
+                    try:
+                        prefix = await verified_prefix(store, [key_of(h) for h in hashes])
+                    except Exception as exc:  # a miss for the scheduler, a line for the operator
+                        log.debug("kvgate lookup failed: %s", exc)
+                writer.write(json.dumps({"prefix": prefix}).encode() + b"\n")
+                await writer.drain()
+        except (ValueError, ConnectionError):  # a line over MAX_LINE, or the peer went away
+            pass
+        finally:
+            writer.close()
+            if task is not None:
+                handlers.pop(task, None)
+
+    server = await asyncio.start_unix_server(answer, path, limit=MAX_LINE)
+    os.chmod(path, 0o600)
+    try:
+        await asyncio.Future()  # until cancelled
+    finally:
+        server.close()
+        # Connections outlive the server: closing each ends its handler's read (cancelling
+        # the handler instead makes Python 3.11's stream callback raise CancelledError).
+        for writer in list(handlers.values()):
+            writer.close()
+        if handlers:
+            await asyncio.wait(list(handlers), timeout=5.0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+async def verified_prefix(store: Store, keys: Sequence[str]) -> int:
+    """How many leading ``keys`` the store holds and can read back whole: the objects are
+    read (and so verified, and promoted into the memory tier for the load that follows), so a
+    corrupted or vanished chunk is a miss now rather than a failed load later (vLLM's default
+    ``kv_load_failure_policy`` fails a request whose load fails)."""
+    found = await store.lookup(keys)
+    if not found:
+        return 0
+    objects = await store.get_many(keys[:found])
+    return next((i for i, obj in enumerate(objects) if obj is None), found)
+
+
+def _hashes_of(line: bytes) -> list[int] | None:
+    try:
+        asked = json.loads(line)
+    except ValueError:
+        return None
+    hashes = asked.get("hashes") if isinstance(asked, dict) else None
+    if not isinstance(hashes, list) or len(hashes) > MAX_CHUNKS:
+        return None
+    if not all(isinstance(h, int) and not isinstance(h, bool) for h in hashes):
+        return None
+    return hashes
+
+
+class SocketLookup:
+    """The scheduler's side of ``serve_lookups``: one connection, opened when first needed
+    and again after a failure."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._buffered = b""
+        self._lines = RepeatLimiter()
+
+    def __call__(self, hashes: Sequence[int]) -> int:
+        if not hashes:
+            return 0
+        try:
+            return self._ask(list(hashes))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.close()
+            if self._lines.admit("lookup") is not None:
+                log.warning("kvgate: no lookup answer from the worker (%s): a miss", exc)
+            return 0
+
+    def _ask(self, hashes: list[int]) -> int:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                raise
+            self._sock, self._buffered = sock, b""
+        self._sock.sendall(json.dumps({"hashes": hashes}).encode() + b"\n")
+        while b"\n" not in self._buffered:
+            got = self._sock.recv(4096)
+            if not got:
+                raise ConnectionError("the worker closed the lookup connection")
+            self._buffered += got
+            if len(self._buffered) > MAX_LINE:
+                raise ValueError("a lookup answer too long")
+        line, self._buffered = self._buffered.split(b"\n", 1)
+        prefix = json.loads(line)["prefix"]
+        if not isinstance(prefix, int) or not 0 <= prefix <= len(hashes):
+            raise ValueError(f"a lookup answer out of range: {prefix!r}")
+        return prefix
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,142 @@
+"""The worker's Store on its own loop thread (``gateway.vllm.bridge``) and the lookups the
+scheduler sends it over a unix socket (``gateway.vllm.lookup``), with real Stores."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers.gated import Gated
+
+from gateway.store import Store
+from gateway.vllm.bridge import StoreThread
+from gateway.vllm.lookup import SocketLookup, serve_lookups, socket_path
+
+MiB = 1 << 20
+
+
+def key_of(chunk_hash: int) -> str:
+    return f"m@1@0@{chunk_hash:x}@float"
+
+
+def test_saves_are_bounded_and_drained_at_close() -> None:
+    lower = Gated(open=False)
+    cfg: dict[str, Any] = {"tiers": [{"url": "memory://x", "timeout": 10.0}], "staging": 8 * MiB}
+    bridge = StoreThread(lambda: Store(cfg, connectors={0: lower}), max_pending=2, timeout=10.0)
+    bridge.start()
+    try:
+        assert bridge.put_later("a", b"1" * 1000)
+        assert bridge.put_later("b", b"2" * 1000)
+        # A write-back put returns once staged, whatever its tier does: pending drops to 0.
+        deadline = time.monotonic() + 5
+        while bridge.pending_saves and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bridge.pending_saves == 0
+        assert bridge.get_many(["a", "b", "c"]) == [b"1" * 1000, b"2" * 1000, None]
+    finally:
+        bridge._loop.call_soon_threadsafe(lower.gate.set)
+        bridge.close()
+    assert sorted(lower.backing.objects) == ["a", "b"]  # close drained the queued writes
+
+
+def test_saves_past_the_bound_are_skipped_not_waited_for() -> None:
+    release = threading.Event()
+
+    class Slow(Store):
+        async def put(self, key: Any, obj: object, **kw: Any) -> None:
+            await asyncio.to_thread(release.wait, 30)  # the test's thread lets it go
+            await super().put(key, obj, **kw)
+
+    cfg = {"tiers": [{"url": "memory://", "capacity": 8 * MiB}], "prefault": False}
+    bridge = StoreThread(lambda: Slow(cfg), max_pending=2, timeout=10.0)
+    bridge.start()
+    try:
+        start = time.monotonic()
+        results = [bridge.put_later(k, b"x") for k in ("a", "b", "c", "d")]
+        assert time.monotonic() - start < 1.0  # never waits for the store
+        assert results == [True, True, False, False]
+        assert bridge.skipped_saves == 2
+        release.set()
+    finally:
+        bridge.close()
+
+
+def test_a_load_that_takes_too_long_is_a_miss() -> None:
+    release = threading.Event()
+
+    class Stalled(Store):
+        async def get_many(self, keys: Any) -> list[object | None]:
+            await asyncio.to_thread(release.wait, 30)  # the test's thread lets it go
+            return await super().get_many(keys)
+
+    cfg = {"tiers": [{"url": "memory://", "capacity": 8 * MiB}], "prefault": False}
+    bridge = StoreThread(lambda: Stalled(cfg), max_pending=2, timeout=0.3)
+    bridge.start()
+    try:
+        assert bridge.get_many(["a", "b"]) == [None, None]
+    finally:
+        release.set()
+        bridge.close()
+
+
+@pytest.fixture
+def disk_store(tmp_path: Path) -> Any:
+    cfg = {"tiers": [{"url": f"file://{tmp_path / 'disk'}"}], "staging": 8 * MiB}
+    path = socket_path(f"test-{tmp_path.name}")
+    bridge = StoreThread(
+        lambda: Store(cfg),
+        max_pending=8,
+        timeout=10.0,
+        on_loop=lambda store: serve_lookups(store, path, key_of),
+    )
+    bridge.start()
+    yield bridge, path
+    bridge.close()
+
+
+def test_the_scheduler_asks_the_worker_over_its_socket(disk_store: Any) -> None:
+    bridge, path = disk_store
+    for h in (1, 2, 3):
+        bridge.call(lambda store, h=h: store.put(key_of(h), bytes([h]) * 4096, durable=True))
+    lookup = SocketLookup(path, timeout=5.0)
+    try:
+        assert lookup([1, 2, 3, 4]) == 3
+        assert lookup([1, 5, 3]) == 1  # a prefix: stops at the first miss
+        assert lookup([]) == 0
+        assert lookup([2]) == 1  # the same connection, again
+    finally:
+        lookup.close()
+
+
+def test_a_corrupted_chunk_ends_the_prefix_at_lookup(disk_store: Any) -> None:
+    """Lookups read what they count: a chunk whose bytes were damaged is not promised to vLLM
+    (whose default policy fails a request whose load fails)."""
+    bridge, path = disk_store
+    for h in (1, 2, 3):
+        bridge.call(lambda store, h=h: store.put(key_of(h), bytes([h]) * 4096, durable=True))
+    victim = bridge.call(lambda store: _file_of(store, key_of(2)))
+    data = bytearray(Path(victim).read_bytes())
+    data[-100] ^= 0xFF
+    Path(victim).write_bytes(bytes(data))
+    lookup = SocketLookup(path, timeout=5.0)
+    try:
+        assert lookup([1, 2, 3]) == 1
+    finally:
+        lookup.close()
+
+
+async def _file_of(store: Store, key: str) -> str:
+    connector: Any = store.tiers[0].connector
+    while hasattr(connector, "inner"):
+        connector = connector.inner
+    return str(connector.path_for(key))
+
+
+def test_no_worker_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    lookup = SocketLookup(str(tmp_path / "nobody.sock"), timeout=1.0)
+    assert lookup([1, 2]) == 0
+    lookup.close()

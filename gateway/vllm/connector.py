@@ -15,9 +15,10 @@ leading chunks the store holds (``lookup``). The worker side owns the Store, on 
 loop thread (``bridge.StoreThread``): before a forward pass it fetches the planned chunks and
 writes their pages into the blocks vLLM allocated (``pages.scatter``); after it, it copies the
 pages of every chunk that just filled (``pages.gather``) and hands the copies to the store
-without waiting. A chunk that cannot be loaded (a miss, a corrupted object, a layout that does
-not match) is reported through ``get_block_ids_with_load_errors``, and vLLM recomputes those
-blocks: a failure costs time, never correctness.
+without waiting (both in ``worker.PagedWorker``). A chunk that cannot be loaded (a miss, a
+corrupted object, a layout that does not match) is reported through
+``get_block_ids_with_load_errors``, and vLLM recomputes those blocks: a failure costs time,
+never correctness.
 
 Keys are kvgate ``Key``s (LMCache's key string): the model, the tensor-parallel size and rank,
 the chunk's prefix hash, the cache dtype, and tags for the cache layout and the chunk size, so
@@ -37,13 +38,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from gateway.keys import Key
 from gateway.store import Store
 from gateway.vllm.bridge import StoreThread
 from gateway.vllm.lookup import SocketLookup, serve_lookups, socket_path
-from gateway.vllm.pages import PagedLayout, gather, scatter
 from gateway.vllm.plan import ChunkMove, NewRequest, Planner, RunningRequest
 from gateway.vllm.settings import VllmSettings
+from gateway.vllm.worker import PagedWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,22 +92,14 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
     # -- worker side --------------------------------------------------------------------------
 
     def _start_worker(self, vllm_config: VllmConfig) -> None:
-        parallel = vllm_config.parallel_config
-        self.world_size = int(parallel.tensor_parallel_size)
-        self.rank = _tensor_parallel_rank()
-        model = vllm_config.model_config
-        self.model_id = self.settings.model_id or _model_name(model)
-        self._caches: list[torch.Tensor] = []
-        self._layout: PagedLayout | None = None
-        self._load_errors: set[int] = set()
-        self.loaded_chunks = self.saved_chunks = self.failed_chunks = 0
         settings = self.settings
-        if settings.url is None and self.world_size > 1:
+        world_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        rank = _tensor_parallel_rank()
+        if settings.url is None and world_size > 1:
             raise ValueError(
                 "kvgate: with tensor parallelism every rank needs the same store: give "
                 "kvgate_url (a running gateway) rather than a kvgate_config"
             )
-        serve = self.rank == 0  # the scheduler asks rank 0
 
         def make_store() -> Store:
             if settings.url is not None:
@@ -118,55 +110,45 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
             return Store(settings.config)
 
         async def on_loop(store: Store) -> None:
-            if serve:
-                await serve_lookups(store, self.socket, self._key)
+            if rank == 0:  # the scheduler asks rank 0
+                await serve_lookups(store, self.socket, self.worker.key)
 
-        self._bridge = StoreThread(
+        bridge = StoreThread(
             make_store,
             max_pending=settings.max_pending_saves,
             timeout=settings.timeout,
             on_loop=on_loop,
         )
-        self._bridge.start()
-
-    def _key(self, chunk_hash: int) -> str:
-        layout = self._layout
-        if layout is None:
-            raise RuntimeError("the KV caches are not registered yet")
-        dtype = str(layout.dtype).removeprefix("torch.")
-        tags = (("vllm", layout.tag()), ("chunk", str(self.settings.chunk_size)))
-        return str(Key(self.model_id, self.world_size, self.rank, chunk_hash, dtype, tags))
+        self.worker = PagedWorker(
+            bridge,
+            model_id=settings.model_id or _model_name(vllm_config.model_config),
+            world_size=world_size,
+            rank=rank,
+            chunk_size=settings.chunk_size,
+        )
+        self._bridge = bridge
+        self._load_errors: set[int] = set()
+        bridge.start()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._caches = list(kv_caches.values())
+        caches = list(kv_caches.values())
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         if not isinstance(num_blocks, int):
-            num_blocks = int(self._caches[0].shape[0])
-        self._layout = PagedLayout.of(self._caches, num_blocks)
+            num_blocks = int(caches[0].shape[0])
+        self.worker.register(caches, num_blocks)
+        assert self.worker.layout is not None
         log.info(
             "kvgate: %d layers of %s, chunks of %d tokens",
-            len(self._caches),
-            self._layout.tag(),
+            len(caches),
+            self.worker.layout.tag(),
             self.settings.chunk_size,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvgateMetadata)
-        if not meta.loads or self._bridge is None or self._layout is None:
-            return
         moves = [move for req_moves in meta.loads.values() for move in req_moves]
-        found = self._bridge.get_many([self._key(m.chunk_hash) for m in moves])
-        for move, chunk in zip(moves, found, strict=True):
-            try:
-                if not isinstance(chunk, torch.Tensor):
-                    raise ValueError("a miss" if chunk is None else "not a tensor")
-                scatter(self._caches, self._layout, chunk, move.block_ids, move.skip)
-                self.loaded_chunks += 1
-            except ValueError as exc:  # vLLM recomputes these blocks
-                self.failed_chunks += 1
-                self._load_errors.update(move.block_ids[move.skip :])
-                log.debug("kvgate: chunk %d not loaded: %s", move.index, exc)
+        self._load_errors |= self.worker.load(moves)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv wrote every layer before the forward pass
@@ -183,13 +165,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvgateMetadata)
-        if not meta.saves or self._bridge is None or self._layout is None:
-            return
-        for moves in meta.saves.values():
-            for move in moves:
-                chunk = gather(self._caches, self._layout, move.block_ids)  # the only wait
-                if self._bridge.put_later(self._key(move.chunk_hash), chunk):
-                    self.saved_chunks += 1
+        self.worker.save(move for req_moves in meta.saves.values() for move in req_moves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._load_errors = self._load_errors, set()
@@ -198,11 +174,12 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
     def shutdown(self) -> None:
         if self._bridge is not None:
             self._bridge.close()
+            worker = self.worker
             log.info(
                 "kvgate: %d chunks loaded, %d not loaded, %d saved, %d saves skipped, %d failed",
-                self.loaded_chunks,
-                self.failed_chunks,
-                self.saved_chunks,
+                worker.loaded_chunks,
+                worker.failed_chunks,
+                worker.saved_chunks,
                 self._bridge.skipped_saves,
                 self._bridge.failed_saves,
             )

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from gpu.cpu.cachegen_source import KIND
+from gpu.cupy_stream import torch_stream_for_cupy
 from gpu.reference import cachegen as ref
 from serde.cachegen.tables import CTX_START, NCLS, NCTX, NSYM, PREC, QMAX, THRESHOLDS, Tables
 
@@ -186,9 +187,7 @@ def _module() -> Any:
 
 
 def _stream(device: torch.device) -> Any:
-    import cupy
-
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+    return torch_stream_for_cupy(device)
 
 
 def _launch(name: str, device: torch.device, n: int, args: tuple[Any, ...]) -> None:

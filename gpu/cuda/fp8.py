@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpu.cupy_stream import torch_stream_for_cupy
+
 CUDA_SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -155,8 +157,7 @@ def _on(device: torch.device) -> Iterator[None]:
     """Run cupy launches on ``device`` and on torch's current stream there."""
     import cupy
 
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+    with cupy.cuda.Device(device.index), torch_stream_for_cupy(device):
         yield
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpu.cupy_stream import torch_stream_for_cupy
 from gpu.reference.kivi import KIND, RECIP, KiviGeometry
 
 CUDA_SOURCE = r"""
@@ -221,9 +222,7 @@ def _stats_views(payload: torch.Tensor, g: KiviGeometry, plane: int) -> tuple[An
 
 
 def _stream(device: torch.device) -> Any:
-    import cupy
-
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+    return torch_stream_for_cupy(device)
 
 
 def encode_device(canon: torch.Tensor, g: KiviGeometry) -> torch.Tensor | None:

@@ -1,0 +1,103 @@
+"""Encode speed of the lossy codecs for a KV chunk on a GPU, next to the same chunk on the host.
+
+For each codec: the wall time of ``encode_frame`` (what a tier does before bytes leave the host:
+the CUDA kernels, the copy of the payload to the host, the frame header and its checksum) on a
+CUDA tensor and on a host tensor (the numba kernels), and the baselines measured in the same
+run: a device-to-host copy of the whole chunk (``tensor.to("cpu")``, what storing it raw costs)
+and a host memcpy. Input GB/s = chunk bytes / median wall time.
+
+    python benchmarks/gpu_codecs.py [--tokens 256] [--layers 32] [--hidden 1024] [--repeat 7]
+
+Needs torch with CUDA and cupy (the codecs fall back to the torch reference without cupy, which
+this script reports as the backend in use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from gateway.codec import encode_frame
+from gateway.objects import to_object_data
+from gateway.registry import load_codec
+from gateway.types import MemoryFormat
+from gpu import dispatch
+
+POINTS: tuple[tuple[str, dict[str, object]], ...] = (
+    ("fp8", {}),
+    ("kivi", {"bits": 2, "group": 32}),
+    ("kivi", {"bits": 4, "group": 32}),
+    ("cachegen", {}),
+)
+
+
+def median_seconds(fn: Callable[[], object], repeat: int, sync: bool) -> float:
+    fn()  # warm-up: kernel compilation, allocator
+    times = []
+    for _ in range(repeat):
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=1024, help="kv heads x head dim")
+    p.add_argument("--repeat", type=int, default=7)
+    args = p.parse_args()
+
+    g = torch.Generator().manual_seed(0)
+    host = (torch.randn((2, args.layers, args.tokens, args.hidden), generator=g) * 0.5).to(
+        torch.bfloat16
+    )
+    dev = host.cuda()
+    nbytes = host.numel() * host.element_size()
+    gb = nbytes / 1e9
+    print(f"chunk: KV_2LTD {tuple(host.shape)} bf16, {nbytes / 2**20:.1f} MiB")
+    print(f"device: {torch.cuda.get_device_name()}; cupy: {dispatch.has_cupy()}")
+
+    out = torch.empty_like(host)
+    pinned = torch.empty_like(host).pin_memory()
+    d2h = median_seconds(lambda: host.copy_(dev), args.repeat, sync=True)
+    d2h_pinned = median_seconds(lambda: pinned.copy_(dev), args.repeat, sync=True)
+    memcpy = median_seconds(lambda: out.copy_(host), args.repeat, sync=False)
+    print(f"{'baseline':<24} {'GB/s':>8}")
+    print(f"{'D2H copy (pageable)':<24} {gb / d2h:8.2f}")
+    print(f"{'D2H copy (pinned)':<24} {gb / d2h_pinned:8.2f}")
+    print(f"{'host memcpy':<24} {gb / memcpy:8.2f}")
+    print()
+    head_row = f"{'codec':<28} {'ratio':>6} {'GPU GB/s':>9} {'host GB/s':>9} {'GPU/host':>9}"
+    print(f"{head_row} {'GPU backend':>12}")
+    for name, options in POINTS:
+        codec = load_codec(name, **options)  # type: ignore[arg-type]
+        label = name + (
+            "" if not options else " " + " ".join(f"{k}={v}" for k, v in options.items())
+        )
+        dev_data = to_object_data(dev, fmt=MemoryFormat.KV_2LTD)
+        host_data = to_object_data(host, fmt=MemoryFormat.KV_2LTD)
+        head, parts, _ = encode_frame(codec, dev_data)
+        stored = len(head) + sum(len(p) for p in parts)
+        on_dev = functools.partial(encode_frame, codec, dev_data)
+        on_host = functools.partial(encode_frame, codec, host_data)
+        t_dev = median_seconds(on_dev, args.repeat, sync=True)
+        t_host = median_seconds(on_host, args.repeat, sync=False)
+        print(
+            f"{label:<28} {nbytes / stored:6.2f} {gb / t_dev:9.2f} {gb / t_host:9.2f} "
+            f"{t_host / t_dev:9.1f} {dispatch.backend_for(dev):>12}"
+        )
+
+
+if __name__ == "__main__":
+    main()

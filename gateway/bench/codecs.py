@@ -27,6 +27,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from gateway.bench.kv_samples import KVSample
 
 Tick = Callable[[int], None]
-SAMPLES = ("synthetic", "minilm")
+SAMPLES = ("synthetic", "minilm", "smollm2")
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -90,6 +91,10 @@ class Row:
     encode_gbps: float | None = None
     decode_gbps: float | None = None
     exact: bool | None = None  # decoded bytes identical to the input
+    # End to end (samples with a model: smollm2): mean KL(exact || decoded) of next-token
+    # distributions in nats, and the share of positions with the same most likely token.
+    kl: float | None = None
+    top1: float | None = None
     error: str | None = None
 
 
@@ -222,12 +227,20 @@ def default_label(point: Point, points: Sequence[Point]) -> str:
 
 
 def load_samples(
-    which: str, *, layers: int, tokens: int, hidden: int, dtype: str
+    which: str,
+    *,
+    layers: int,
+    tokens: int,
+    hidden: int,
+    dtype: str,
+    texts: int = 2,
+    model_dir: Path | None = None,
 ) -> tuple[list[KVSample], dict[str, str]]:
-    """The samples asked for, and those skipped with the reason (the bench extra missing)."""
+    """The samples asked for, and those skipped with the reason (the bench extra or the
+    SmolLM2 model missing). ``texts`` and ``model_dir``: the smollm2 sample's."""
     import torch
 
-    from gateway.bench import kv_samples
+    from gateway.bench import kv_samples, smollm2_sample
 
     tdtype = getattr(torch, DTYPES.get(dtype, dtype))
     names = SAMPLES if which == "all" else (which,)
@@ -248,6 +261,11 @@ def load_samples(
                 if which != "all":
                     raise
                 skipped["minilm"] = str(exc)
+        elif name == "smollm2":
+            try:
+                samples.append(smollm2_sample.smollm2_kv(texts, dtype=tdtype, model_dir=model_dir))
+            except MissingDependency as exc:
+                skipped["smollm2"] = str(exc)
         else:
             raise ValueError(f"unknown sample {name!r} (expected {', '.join(SAMPLES)} or all)")
     return samples, skipped
@@ -298,35 +316,74 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def measure(
     sample: KVSample, point: Point, repeat: int, label: str = "", tick: Tick | None = None
 ) -> Row:
-    """One point on one sample; any exception becomes an error row."""
+    """One point on one sample; any exception becomes an error row. Each of the sample's
+    chunks is its own object (encoded, framed and decoded on its own), as in a store; sizes
+    and times are summed over the chunks."""
     tick = tick or (lambda _n: None)
     row = Row(point.codec, dict(point.options), label or point.options_label)
-    kv = sample.kv.contiguous()
-    row.input_bytes = kv.numel() * kv.element_size()
+    chunks = [c.contiguous() for c in sample.chunks()]
+    row.input_bytes = sum(c.numel() * c.element_size() for c in chunks)
     try:
         codec = load_codec(point.codec, **point.options)
         row.lossless = bool(codec.lossless)
         # A small slice of the same dtype first: compiles numba kernels outside the timings.
-        warm = kv[:, :1, : min(kv.shape[2], 64)].contiguous()
+        warm = chunks[0][:, :1, : min(chunks[0].shape[2], 64)].contiguous()
         _round_trip(codec, warm)
         tick(1)
-        obj = to_object_data(kv, MemoryFormat.KV_2LTD)
-        out = np.zeros(row.input_bytes, dtype=np.uint8)
+        objs = [to_object_data(c, MemoryFormat.KV_2LTD) for c in chunks]
+        outs = [np.zeros(c.numel() * c.element_size(), dtype=np.uint8) for c in chunks]
         enc, dec = [], []
         for _ in range(repeat):
-            seconds, (head, parts) = _timed(functools.partial(_encode, codec, obj))
+            seconds, blobs = _timed(functools.partial(_encode_all, codec, objs))
             enc.append(seconds)
             tick(1)
-            blob = b"".join([head, *parts])
-            seconds, got = _timed(functools.partial(_decode, codec, blob, out.data))
+            seconds, got = _timed(functools.partial(_decode_all, codec, blobs, outs))
             dec.append(seconds)
             tick(1)
-        _fill_quality(row, sample, kv, got, len(blob))
+        kv_hat = _joined(got, chunks)
+        _fill_quality(row, sample, sample.kv, kv_hat, sum(map(len, blobs)))
         row.encode_gbps = row.input_bytes / statistics.median(enc) / 1e9
         row.decode_gbps = row.input_bytes / statistics.median(dec) / 1e9
+        _fill_end_to_end(row, sample, kv_hat)
+        tick(1)
     except Exception as exc:  # a broken codec is a row, not a crashed bench
         row.error = f"{type(exc).__name__}: {exc}"
     return row
+
+
+def _encode_all(codec: Codec, objs: Sequence[ObjectData]) -> list[bytes]:
+    blobs = []
+    for obj in objs:
+        head, parts = _encode(codec, obj)
+        blobs.append(b"".join([head, *parts]))
+    return blobs
+
+
+def _decode_all(codec: Codec, blobs: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[object]:
+    return [_decode(codec, blob, out.data) for blob, out in zip(blobs, outs, strict=True)]
+
+
+def _joined(got: Sequence[object], chunks: Sequence[torch.Tensor]) -> object:
+    """The decoded chunks as one tensor of the sample's shape (or the odd object, which
+    ``_fill_quality`` refuses)."""
+    torch = _torch()
+    tensors = [g for g in got if isinstance(g, torch.Tensor)]
+    if len(got) == 1 or len(tensors) != len(got):
+        return got[0]
+    shapes_match = all(g.shape == c.shape for g, c in zip(tensors, chunks, strict=True))
+    return torch.cat(tensors, dim=2) if shapes_match else got[0]
+
+
+def _fill_end_to_end(row: Row, sample: KVSample, kv_hat: object) -> None:
+    """KL and top-1 of the model reading on from the decoded K/V. Bit-identical K/V make the
+    reference run itself (KL 0, top-1 1): the model is not run again for them."""
+    if sample.end_to_end is None:
+        return
+    if row.exact:
+        row.kl, row.top1 = 0.0, 1.0
+        return
+    assert isinstance(kv_hat, _torch().Tensor)  # _fill_quality checked it
+    row.kl, row.top1 = sample.end_to_end.measure(kv_hat)
 
 
 def _round_trip(codec: Codec, t: torch.Tensor) -> None:
@@ -382,4 +439,4 @@ def run_codec_bench(
 
 def steps(samples: int, points: int, repeat: int) -> int:
     """How many ticks ``run_codec_bench`` makes at most (for a progress bar)."""
-    return samples * points * (1 + 2 * repeat)
+    return samples * points * (2 + 2 * repeat)

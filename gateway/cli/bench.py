@@ -144,7 +144,7 @@ def bench(
         Console().print(f"errors: {result.errors}")
 
 
-SampleChoice = Literal["all", "synthetic", "minilm"]
+SampleChoice = Literal["all", "synthetic", "minilm", "smollm2"]
 DtypeChoice = Literal["fp16", "bf16", "fp32"]
 
 
@@ -163,6 +163,16 @@ def bench_codecs(
     layers: Annotated[int, typer.Option(min=1, help="synthetic chunk: layers")] = 32,
     tokens: Annotated[int, typer.Option(min=2, help="tokens (MiniLM: at most 512)")] = 256,
     hidden: Annotated[int, typer.Option(min=1, help="synthetic chunk: hidden size")] = 1024,
+    texts: Annotated[
+        int, typer.Option(min=1, max=4, help="smollm2: test texts (1024 + 512 tokens each)")
+    ] = 2,
+    model_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="smollm2: the converted model folder (default: $KVGATE_SMOLLM2_DIR, "
+            ".venv-vllm/models/smollm2, ~/.cache/kvgate/smollm2)"
+        ),
+    ] = None,
     dtype: Annotated[DtypeChoice, typer.Option(help="dtype of the chunk")] = "fp16",
     repeat: Annotated[int, typer.Option(min=1, help="runs; the median time is reported")] = 3,
     plot: Annotated[
@@ -170,7 +180,8 @@ def bench_codecs(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
 ) -> None:
-    """Ratio, K/V and attention-output error, encode/decode GB/s of every codec on KV chunks.
+    """Ratio, K/V and attention-output error, encode/decode GB/s of every codec on KV chunks;
+    on SmolLM2's K/V also end-to-end KL and top-1 agreement of the model reading on.
 
     Default points: every usable codec with its default options, plus a few option sweeps.
     """
@@ -192,12 +203,21 @@ def bench_codecs(
         raise typer.BadParameter(str(exc), param_hint="--points / --codec") from None
     try:
         samples, skipped_samples = codec_bench.load_samples(
-            sample, layers=layers, tokens=tokens, hidden=hidden, dtype=dtype
+            sample,
+            layers=layers,
+            tokens=tokens,
+            hidden=hidden,
+            dtype=dtype,
+            texts=texts,
+            model_dir=model_dir,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--tokens") from None
     for name, why in {**skipped, **skipped_samples}.items():
         err.print(f"skipped {name}: {why}", soft_wrap=True)
+    if not samples:
+        err.print(f"no sample to measure: {sample} was skipped")
+        raise typer.Exit(2)
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -232,31 +252,45 @@ def bench_codecs(
 
 
 def _codec_table(result: Any, dtype: str) -> tuple[Table, list[str]]:
-    """The sample's table, and one line per error row (too long for a cell)."""
+    """The sample's table, and one line per error row (too long for a cell). A sample with an
+    end-to-end measure (a model reading on) gets its KL and top-1 columns."""
     shape = "x".join(map(str, result.shape))
+    e2e = any(r.kl is not None for r in result.rows)
+    caption = f"ratio: {dtype} bytes / stored frame bytes; errors: relative, 0 = exact"
+    if e2e:
+        caption += (
+            "; KL: mean KL(exact || decoded) of next-token distributions (nats), top-1: same "
+            "most likely token, the model reading on from the decoded K/V"
+        )
     table = Table(
         title=f"{result.name} K/V [{shape}] {result.dtype}, {result.input_bytes / 2**20:.1f} MiB",
-        caption=f"ratio: {dtype} bytes / stored frame bytes; errors: relative, 0 = exact",
+        caption=caption,
     )
     for col in ("codec", "options"):
         table.add_column(col)
-    for col in ("ratio", "bits/el", "K err", "V err", "attn err", "enc GB/s", "dec GB/s"):
+    columns = ["ratio", "bits/el", "K err", "V err", "attn err"]
+    columns += ["KL", "top-1"] if e2e else []
+    for col in (*columns, "enc GB/s", "dec GB/s"):
         table.add_column(col, justify="right")
     memcpy = f"{result.memcpy_gbps:.2f}"
     bits = f"{result.input_bytes * 8 / math.prod(result.shape):.2f}"
-    table.add_row("memcpy", "(baseline)", "1.00", bits, "0", "0", "0", memcpy, memcpy, style="dim")
+    exact = ["0", "0", "0"] + (["0", "100.0%"] if e2e else [])
+    table.add_row("memcpy", "(baseline)", "1.00", bits, *exact, memcpy, memcpy, style="dim")
     errors = []
     for r in result.rows:
         if r.error is not None:
-            table.add_row(r.codec, r.label, "[red]error[/]", *["-"] * 6)
+            table.add_row(r.codec, r.label, "[red]error[/]", *["-"] * (len(columns) + 1))
             errors.append(f"[red]error[/] {result.name}, {r.codec} {r.label}: {r.error}")
             continue
+        quality = [_err(e) for e in (r.k_rel_error, r.v_rel_error, r.attention_error)]
+        if e2e:
+            quality += [_err(r.kl), f"{r.top1:.1%}"]
         table.add_row(
             r.codec,
             r.label,
             f"{r.ratio:.2f}",
             f"{r.bits_per_element:.2f}",
-            *(_err(e) for e in (r.k_rel_error, r.v_rel_error, r.attention_error)),
+            *quality,
             f"{r.encode_gbps:.2f}",
             f"{r.decode_gbps:.2f}",
         )

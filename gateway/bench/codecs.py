@@ -10,7 +10,9 @@ bits per element, the relative error of K and of V, the relative error of causal
 outputs computed with the decoded K and V (what a model would notice), and encode and decode
 GB/s (input bytes / wall time, the median of ``repeat`` runs). A memcpy of the same chunk into
 a preallocated buffer is measured in the same run: on a noisy shared machine only figures
-taken side by side compare.
+taken side by side compare. A sample made of several chunks (smollm2: 256-token chunks) has
+each chunk encoded as its own object, as a store holds them; a sample with an end-to-end
+measure (a model reading on from the decoded K/V) also gets its KL and top-1 agreement.
 
 Codecs are found through the registry, never imported by name, so a codec added by a plugin is
 measured too. A point that fails (bad options, a codec bug) becomes an error row: one broken

@@ -1,4 +1,5 @@
-"""K/V chunks to measure codecs on: a synthetic KV-like chunk and real K/V from MiniLM.
+"""K/V chunks to measure codecs on: a synthetic KV-like chunk and real K/V from MiniLM (the
+real decoder's, SmolLM2's, come from ``smollm2_sample``).
 
 Both come as a ``KVSample``: the chunk in LMCache's default layout ``[2, layers, tokens,
 hidden]`` plus the queries of the same tokens ``[layers, tokens, hidden]``, so that the error

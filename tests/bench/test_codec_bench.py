@@ -140,3 +140,31 @@ def test_importable_without_torch() -> None:
         "gateway.cli.app"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_sample_measured_end_to_end_gets_a_kl_panel(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from gateway.bench.rd_plot import draw_rate_distortion
+
+    def row(codec: str, bits: float, attn: float, kl: float | None) -> dict[str, Any]:
+        return {
+            "codec": codec,
+            "options": {},
+            "label": "default",
+            "bits_per_element": bits,
+            "attention_error": attn,
+            "kl": kl,
+            "error": None,
+        }
+
+    plain = [row("raw", 16.0, 0.0, None), row("kivi", 3.0, 0.45, None)]
+    widths = {}
+    for name, rows in {
+        "without": plain,
+        "with": [row("raw", 16.0, 0.0, 0.0), row("kivi", 3.0, 0.45, 0.25)],
+    }.items():
+        png = draw_rate_distortion({"smollm2": rows}, tmp_path / f"{name}.png")
+        blob = png.read_bytes()
+        assert blob.startswith(PNG_MAGIC)
+        widths[name] = int.from_bytes(blob[16:20], "big")  # IHDR: width, then height
+    assert widths["with"] > 1.8 * widths["without"]  # two panels: attention error, then KL

@@ -1,0 +1,191 @@
+"""The ``kvtc`` coefficient stream: quantized coefficients <-> payload sections.
+
+Coefficients arrive as ``q`` ``[N, T]`` (N components over every (plane, group), T coded
+tokens). Each component has a table, a shift and a range from the calibration
+(``Loaded.coords``). ``q >> shift`` is coded with static rANS; streams are blocks of
+``block`` consecutive components, each component's tokens in order (the calibration's tables
+are per component class, so no context is needed). Sections, little-endian::
+
+    lengths  u32 [streams]      16-bit words of each stream
+    escapes  u32 count, i32 [count]   coded values outside their table's range, in order
+    low bits (ceil(T * sum(shift) / 8) bytes)   ``q & (2**shift - 1)``, LSB first
+    words    u16 [sum(lengths)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gateway.errors import CorruptObject
+from gpu import dispatch
+from serde.kvtc.calibration import Loaded
+from serde.kvtc.symbols import symbol_index
+from serde.tensors import PayloadReader
+
+STREAM_SYMBOLS = 1 << 14  # symbols per stream (many streams: both cores, and GPU threads)
+MAX_ESCAPES = 1 << 28
+
+
+def default_block(tokens: int) -> int:
+    return max(1, STREAM_SYMBOLS // max(1, tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    components: int
+    tokens: int
+    block: int
+
+    @property
+    def streams(self) -> int:
+        return -(-self.components // self.block)
+
+    def counts(self) -> np.ndarray[Any, Any]:
+        s = np.arange(self.streams, dtype=np.int64)
+        return np.minimum(self.block, self.components - s * self.block) * self.tokens
+
+    def per_symbol(self, per_component: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """A per-component value spread over ``[streams, block * tokens]`` (padded)."""
+        padded = np.zeros(self.streams * self.block, np.int64)
+        padded[: self.components] = per_component
+        return np.repeat(padded, self.tokens).reshape(self.streams, self.block * self.tokens)
+
+
+def _coder() -> Any:
+    if dispatch.forced_reference() or not dispatch.has_numba():
+        return None
+    from gpu.cpu import rans
+
+    return rans
+
+
+def encode(loaded: Loaded, q: np.ndarray[Any, Any], block: int) -> list[bytes | memoryview]:
+    """The sections of ``q`` ``[N, T]`` int64 (N = the calibration's component count)."""
+    c = loaded.coords
+    lay = Layout(c.count, q.shape[1], block)
+    shift = c.shift[:, None]
+    hi = q >> shift
+    idx = symbol_index(hi, c.rng[:, None])
+    escapes = hi[idx == 0].astype("<i4")
+    sym = np.zeros((lay.streams * lay.block, lay.tokens), np.int64)
+    sym[: lay.components] = idx
+    sym = sym.reshape(lay.streams, -1)
+    tbl = lay.per_symbol(c.tid)
+    tables = loaded.tables
+    rans = _coder()
+    if rans is not None:
+        words, lengths = rans.encode_streams(sym, tbl, lay.counts(), tables.freq, tables.cum)
+    else:
+        words, lengths = _reference_encode(sym, tbl, lay.counts(), tables)
+    return [
+        np.asarray(lengths, "<u4").tobytes(),
+        np.uint32(len(escapes)).tobytes() + escapes.tobytes(),
+        _pack_low(q, c.shift),
+        np.ascontiguousarray(words, "<u2").data.cast("B"),
+    ]
+
+
+def decode(loaded: Loaded, reader: PayloadReader, tokens: int, block: int) -> np.ndarray[Any, Any]:
+    """``q`` ``[N, tokens]`` int64 from the reader's next sections; ``CorruptObject`` if bad."""
+    c = loaded.coords
+    lay = Layout(c.count, tokens, block)
+    lengths = reader.array("<u4", lay.streams).astype(np.int64)
+    n_esc = int(reader.array("<u4", 1)[0])
+    if n_esc > min(MAX_ESCAPES, c.count * tokens):
+        raise CorruptObject("kvtc payload: too many escapes")
+    escapes = reader.array("<i4", n_esc)
+    low = _unpack_low(reader, c.shift, tokens)
+    offsets = np.zeros(lay.streams + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    words = reader.array("<u2", int(offsets[-1]))
+    tbl = lay.per_symbol(c.tid)
+    tables = loaded.tables
+    rans = _coder()
+    if rans is not None:
+        sym, ok = rans.decode_streams(
+            words, offsets, tbl, lay.counts(), tables.freq, tables.cum, loaded.lut
+        )
+    else:
+        sym, ok = _reference_decode(words, offsets, tbl, lay.counts(), tables, loaded.lut)
+    if not bool(np.all(ok)):
+        raise CorruptObject("kvtc payload: a stream does not decode")
+    idx = sym.reshape(-1)[: c.count * tokens].reshape(c.count, tokens)
+    hi = idx - c.rng[:, None] - 1
+    escaped = idx == 0
+    if int(escaped.sum()) != n_esc:
+        raise CorruptObject("kvtc payload: escape count disagrees with the streams")
+    hi[escaped] = escapes
+    out: np.ndarray[Any, Any] = (hi << c.shift[:, None]) | low
+    return out
+
+
+def _pack_low(q: np.ndarray[Any, Any], shift: np.ndarray[Any, Any]) -> bytes:
+    rows = np.flatnonzero(shift > 0)
+    if rows.size == 0:
+        return b""
+    s = shift[rows]
+    width = int(s.max())
+    bits = (q[rows][:, :, None] >> np.arange(width)) & 1  # [n, T, width]
+    keep = np.broadcast_to(np.arange(width) < s[:, None, None], bits.shape)
+    return np.packbits(bits[keep].astype(np.uint8), bitorder="little").tobytes()
+
+
+def _unpack_low(
+    reader: PayloadReader, shift: np.ndarray[Any, Any], tokens: int
+) -> np.ndarray[Any, Any]:
+    low = np.zeros((len(shift), tokens), np.int64)
+    rows = np.flatnonzero(shift > 0)
+    if rows.size == 0:
+        return low
+    s = shift[rows]
+    nbits = int(s.sum()) * tokens
+    raw = reader.array(np.uint8, (nbits + 7) // 8)
+    bits = np.unpackbits(raw, bitorder="little")[:nbits]
+    width = int(s.max())
+    full = np.zeros((len(rows), tokens, width), np.int64)
+    keep = np.broadcast_to(np.arange(width) < s[:, None, None], full.shape)
+    full[keep] = bits
+    low[rows] = (full << np.arange(width)).sum(axis=2)
+    return low
+
+
+def _reference_encode(
+    sym: np.ndarray[Any, Any], tbl: np.ndarray[Any, Any], count: np.ndarray[Any, Any], tables: Any
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    import torch
+
+    from gpu.reference import rans
+
+    t = torch.from_numpy
+    words, lengths = rans.encode(
+        t(sym), t(tbl), t(count), t(tables.freq.astype(np.int64)), t(tables.cum.astype(np.int64))
+    )
+    return words.numpy().astype(np.uint16), lengths.numpy()
+
+
+def _reference_decode(
+    words: np.ndarray[Any, Any],
+    offsets: np.ndarray[Any, Any],
+    tbl: np.ndarray[Any, Any],
+    count: np.ndarray[Any, Any],
+    tables: Any,
+    lut: np.ndarray[Any, Any],
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    import torch
+
+    from gpu.reference import rans
+
+    t = torch.from_numpy
+    sym, ok = rans.decode(
+        t(words.astype(np.int64)),
+        t(offsets),
+        t(tbl),
+        t(count),
+        t(tables.freq.astype(np.int64)),
+        t(tables.cum.astype(np.int64)),
+        t(lut.astype(np.int64)),
+    )
+    return sym.numpy(), ok.numpy()

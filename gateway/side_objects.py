@@ -42,3 +42,8 @@ def side_key(kind: str, digest: str) -> str:
 
 def is_side_key(key: str) -> bool:
     return key.startswith(PREFIX)
+
+
+class SideObjectUnavailable(CorruptObject):
+    """The side object a frame names is not in the tier, or is not the named content: the
+    frame is a miss (counted), but it is kept, since it is sound."""

@@ -35,6 +35,7 @@ from gateway.object_meta import meta_of_frame
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object
 from gateway.policies import EvictionPolicy
 from gateway.registry import load_codec
+from gateway.side_objects import REFRESH_WRITES, MissingSideObject, SideObjectUnavailable
 from gateway.thread_jobs import in_thread
 from gateway.types import Buffer, TierStats
 
@@ -242,6 +243,8 @@ class ConnectorTier:
         self.stats = stats
         self.ttl = ttl
         self._codecs: dict[str, Codec] = {codec.name: codec}
+        # Side objects this tier wrote, and how many frames it has written since each.
+        self._side_written: dict[str, int] = {}
 
     def _codec_for(self, header: FrameHeader) -> Codec:
         # A store reads every object whatever codec wrote it: the frame names the codec.
@@ -268,6 +271,7 @@ class ConnectorTier:
         size = sum(p.nbytes for p in parts)
         if limit is not None and size > limit:
             raise CapacityError(f"{size} bytes exceed {self.name}'s object limit of {limit}")
+        await self._write_side_objects()
         head, _ = await offload(
             0 if checksum is not None else size,  # known checksum: nothing left to hash
             frame_head,
@@ -281,6 +285,22 @@ class ConnectorTier:
         )
         await self.connector.put(key, [head, *parts])
 
+    async def _write_side_objects(self) -> None:
+        """Put the codec's side objects before the first frame that needs them (and again
+        every ``REFRESH_WRITES`` frames: a capacity-bound backend may have evicted them)."""
+        wanted: list[tuple[str, bytes]] = getattr(self.codec, "side_objects", [])
+        if not wanted:
+            return
+        for key, data in wanted:
+            since = self._side_written.get(key)
+            if since is not None and since < REFRESH_WRITES:
+                self._side_written[key] = since + 1
+                continue
+            meta = ObjectMeta("bytes", "uint8", (len(data),), len(data))
+            head, _ = await offload(len(data), frame_head, "raw", meta, [memoryview(data)], {})
+            await self.connector.put(key, [head, memoryview(data)])
+            self._side_written[key] = 0
+
     async def read(
         self, key: str, alloc: Callable[[int], Slab | None], max_size: int
     ) -> Found | None:
@@ -293,6 +313,10 @@ class ConnectorTier:
         try:
             with limiting_reads(frame_limit(max_size)):
                 return await self._read(key, alloc, max_size)
+        except SideObjectUnavailable as exc:  # the frame is sound: kept for who has it
+            self.stats.corrupt += 1
+            log.warning("tier %s: object under a key served as a miss: %s", self.name, exc)
+            return None
         except CorruptObject as exc:
             self.stats.corrupt += 1
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
@@ -337,7 +361,15 @@ class ConnectorTier:
             out = out_slab.view() if out_slab is not None else None
             try:
                 slow = codec.name not in INLINE_CODECS
-                raw = await offload(header.raw_len, codec.decode, payload, header, out, device=slow)
+                try:
+                    raw = await offload(
+                        header.raw_len, codec.decode, payload, header, out, device=slow
+                    )
+                except MissingSideObject as missing:  # fetched from this tier, then again
+                    await self._install_side_object(missing, max_size)
+                    raw = await offload(
+                        header.raw_len, codec.decode, payload, header, out, device=slow
+                    )
             except BaseException:
                 if out_slab is not None:
                     out_slab.release()
@@ -352,6 +384,22 @@ class ConnectorTier:
         finally:
             for slab in alloc_frame.slabs:
                 slab.release()
+
+    async def _install_side_object(self, missing: MissingSideObject, max_size: int) -> None:
+        """Read the side object a frame names from this tier and hand it to the codec;
+        ``SideObjectUnavailable`` when it is not there or its bytes are not the named ones."""
+        try:
+            found = await self._read(missing.key, lambda _n: None, max_size)
+        except CorruptObject as exc:
+            raise SideObjectUnavailable(f"{missing}; {missing.key} is corrupt: {exc}") from None
+        if found is None or found.meta.kind != "bytes":
+            raise SideObjectUnavailable(f"{missing}; {missing.key} is not in this tier")
+        data = found.to_object()
+        assert isinstance(data, bytes)
+        try:
+            await offload(len(data), missing.install, data, device=True)
+        except CorruptObject as exc:
+            raise SideObjectUnavailable(f"{missing.key}: {exc}") from None
 
     async def _discard(self, key: str) -> None:
         try:

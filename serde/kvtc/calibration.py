@@ -56,7 +56,9 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     group: int  # layers per group
     rope_head_dim: int  # 0: keys were calibrated as stored (post-RoPE)
     rope_theta: float
-    planes: list[PlaneCalibration]  # keys, values
+    # keys (RoPE undone when ``rope_head_dim``), values, and with RoPE also keys as stored
+    # (post-RoPE: what a chunk whose position is unknown is coded with)
+    planes: list[PlaneCalibration]
     tables: list[bytes]  # per (plane, class): ``symbols.table_codes``
     note: str = ""  # where it came from (free text)
 
@@ -112,8 +114,8 @@ def _problem(cal: Calibration) -> str | None:
         return "RoPE head dimension does not divide the channels"
     if cal.rope_head_dim and not (np.isfinite(cal.rope_theta) and cal.rope_theta > 1.0):
         return "bad RoPE theta"
-    if len(cal.planes) != 2:
-        return "kvtc calibrates keys and values"
+    if len(cal.planes) != (3 if cal.rope_head_dim else 2):
+        return "wrong plane count"
     groups = cal.group_layers()
     for plane in cal.planes:
         if not (np.isfinite(plane.step) and plane.step > 0) or len(plane.groups) != len(groups):
@@ -131,7 +133,7 @@ def _problem(cal: Calibration) -> str | None:
                 return "non-finite basis"
             if g.rank and (max(g.shift) > symbols.MAX_SHIFT or max(g.cls) >= symbols.NCLS):
                 return "shift or class out of range"
-    return symbols.check_codes(cal.tables, 2)
+    return symbols.check_codes(cal.tables, len(cal.planes))
 
 
 @dataclass(eq=False)
@@ -142,10 +144,11 @@ class Loaded:
     sha256: str
     data: bytes
     _device: dict[str, list[list[Device]]] = field(default_factory=dict)
+    _coords: dict[tuple[int, ...], Coords] = field(default_factory=dict)
 
     @functools.cached_property
     def tables(self) -> Tables:
-        return symbols.tables_of(self.cal.tables, 2)
+        return symbols.tables_of(self.cal.tables, len(self.cal.planes))
 
     @functools.cached_property
     def lut(self) -> np.ndarray[Any, Any]:
@@ -153,13 +156,24 @@ class Loaded:
         out: np.ndarray[Any, Any] = self.tables.lut()
         return out
 
-    @functools.cached_property
-    def coords(self) -> Coords:
+    def key_plane(self, unrotated: bool) -> int:
+        """The calibration plane that codes keys: 0 (as calibrated) or 2 (post-RoPE keys of
+        a RoPE-undone calibration, for chunks whose position is unknown)."""
+        return 0 if unrotated or self.cal.rope_head_dim == 0 else 2
+
+    def coords(self, planes: tuple[int, ...]) -> Coords:
+        """``coords_of`` for the planes a chunk is coded with (keys' plane, values')."""
+        got = self._coords.get(planes)
+        if got is None:
+            got = self._coords[planes] = self._coords_of(planes)
+        return got
+
+    def _coords_of(self, planes: tuple[int, ...]) -> Coords:
         """Per coordinate, over (plane, group, component) in that order: table id, shift,
         range; and where each (plane, group) starts."""
         tid, shift, rng, start = [], [], [], [0]
-        for p, plane in enumerate(self.cal.planes):
-            for g in plane.groups:
+        for p in planes:
+            for g in self.cal.planes[p].groups:
                 cls = np.frombuffer(g.cls, np.uint8)
                 tid.append(symbols.table_id(p, cls))
                 shift.append(np.frombuffer(g.shift, np.uint8).astype(np.int64))

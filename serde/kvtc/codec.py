@@ -132,14 +132,14 @@ class KvtcCodec:
         if rope is not None:
             assert position is not None
             keys = transform.unrotated_keys(keys, rope, position + head)
-        planes = (keys, mid[1])
+        planes = (loaded.key_plane(rope is not None), 1)
         arrays = loaded.arrays(t.device)
         parts = []
-        for p in range(2):
+        for p, data in zip(planes, (keys, mid[1]), strict=True):
             step = cal.planes[p].step
             for j, (first, n) in enumerate(cal.group_layers()):
                 dev = arrays[p][j]
-                x = transform.group_features(planes[p], first, n)
+                x = transform.group_features(data, first, n)
                 y = (x - dev.mean) @ (dev.basis * (1.0 / step))
                 if y.numel() and float(y.abs().max()) > COEFF_LIMIT:
                     return None
@@ -148,7 +148,7 @@ class KvtcCodec:
         exact = [canon[:, :, :head], canon[:, :, tokens - tail :]]
         exact_bytes = [_host_bytes(e) for e in exact if e.shape[2]]
         block = stream.default_block(mid.shape[2])
-        sections = stream.encode(loaded, q, block)
+        sections = stream.encode(loaded, planes, q, block)
         params: dict[str, ParamValue] = {
             "v": VERSION,
             "cal": loaded.sha256,
@@ -214,13 +214,16 @@ class KvtcCodec:
                 canon[:, :, first : first + n] = reader.tensor(
                     info.dtype, (layout.planes, layout.layers, n, layout.channels)
                 )
-        q = torch.from_numpy(stream.decode(loaded, reader, coded, block))
+        if rope is not None and not cal.rope_head_dim:
+            raise CorruptObject("kvtc frame: RoPE undone with a calibration that does not")
+        planes = (loaded.key_plane(rope is not None), 1)
+        q = torch.from_numpy(stream.decode(loaded, planes, reader, coded, block))
         reader.finish()
         arrays = loaded.arrays(torch.device("cpu"))
         limit = FINITE_MAX[info.dtype]
-        start = loaded.coords.start
+        start = loaded.coords(planes).start
         k = 0
-        for p in range(2):
+        for i, p in enumerate(planes):
             step = cal.planes[p].step
             plane = torch.empty((layout.layers, coded, layout.channels))
             for j, (first, n) in enumerate(cal.group_layers()):
@@ -229,10 +232,10 @@ class KvtcCodec:
                 k += 1
                 x = transform.dequantize(qj, dev.mean, dev.basis, step)
                 plane[first : first + n] = transform.ungroup(x, n)
-            if p == 0 and rope is not None:
+            if i == 0 and rope is not None:
                 assert position is not None
                 plane = transform.rotated_keys(plane, rope, position + head)
-            canon[p, :, head : tokens - tail] = plane.clamp_(-limit, limit).to(dtype)
+            canon[i, :, head : tokens - tail] = plane.clamp_(-limit, limit).to(dtype)
         return tensor_bytes(layout.from_canonical(canon), out)
 
 

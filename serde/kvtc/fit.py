@@ -53,10 +53,9 @@ class Chunk:
     position: int | None = None  # the chunk's first token's position in its sequence
 
 
-def _planes(
-    chunk: Chunk, rope: Rope | None, sinks: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Keys (RoPE undone) and values of the chunk's coded tokens, float32 ``[L, T', D]``."""
+def _planes(chunk: Chunk, rope: Rope | None, sinks: int) -> tuple[torch.Tensor, ...] | None:
+    """The calibration planes of the chunk's coded tokens, float32 ``[L, T', D]``: keys
+    (RoPE undone), values, and with RoPE the keys as stored."""
     kv = chunk.kv.float()
     head, _ = transform.exact_tokens(kv.shape[2], chunk.position, sinks, 0)
     keys, values = kv[0, :, head:], kv[1, :, head:]
@@ -65,7 +64,8 @@ def _planes(
     if rope is not None:
         if chunk.position is None:
             raise ValueError("a RoPE-undone calibration needs every chunk's start position")
-        keys = transform.unrotated_keys(keys, rope, chunk.position + head)
+        unrotated = transform.unrotated_keys(keys, rope, chunk.position + head)
+        return unrotated, values, keys
     return keys, values
 
 
@@ -97,9 +97,10 @@ def fit(
     if not prepared:
         raise ValueError("no calibration tokens outside the sinks")
     # Per plane and group: mean, eigenvalues (descending), eigenvectors.
+    nplanes = len(prepared[0])
     stats: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
     steps: list[float] = []
-    for p in range(2):
+    for p in range(nplanes):
         per_group = []
         total_sq, total_n = 0.0, 0
         for first, n in spans:
@@ -118,7 +119,7 @@ def fit(
         steps.append(_step_for(lams, target * len(lams)))
     ranks = _ranks(stats, steps, channels, max_basis_bytes)
     planes = []
-    for p in range(2):
+    for p in range(nplanes):
         groups = []
         for (mean, lam, vec), rank in zip(stats[p], ranks[p], strict=True):
             spread = np.sqrt(lam[:rank].numpy()) / steps[p]
@@ -141,7 +142,7 @@ def fit(
         rope_head_dim=0 if rope is None else rope.head_dim,
         rope_theta=0.0 if rope is None else float(rope.theta),
         planes=planes,
-        tables=symbols.table_codes(symbols.empty_counts(2)),
+        tables=symbols.table_codes(symbols.empty_counts(nplanes)),
         note=note,
     )
     counts = _count_symbols(load_calibration(to_bytes(draft)), prepared, spans)
@@ -183,14 +184,14 @@ def _ranks(
     """Components kept per (plane, group): above ``TRUNCATE`` steps, then within the cap."""
     ranks = [
         [int((np.sqrt(g[1].numpy()) >= TRUNCATE * steps[p]).sum()) for g in stats[p]]
-        for p in range(2)
+        for p in range(len(stats))
     ]
     if max_basis_bytes is None:
         return ranks
     # Every kept component costs its basis column (float16); drop the weakest first.
     cands = [
         (float(g[1][i]) / steps[p] ** 2, p, j, 2 * g[2].shape[0])
-        for p in range(2)
+        for p in range(len(stats))
         for j, g in enumerate(stats[p])
         for i in range(ranks[p][j])
     ]
@@ -206,14 +207,15 @@ def _ranks(
 
 def _count_symbols(
     loaded: Loaded,
-    prepared: list[tuple[torch.Tensor, torch.Tensor]],
+    prepared: list[tuple[torch.Tensor, ...]],
     spans: list[tuple[int, int]],
 ) -> np.ndarray[Any, Any]:
     import torch
 
-    counts = symbols.empty_counts(2)
+    nplanes = len(loaded.cal.planes)
+    counts = symbols.empty_counts(nplanes)
     arrays = loaded.arrays(torch.device("cpu"))
-    for p in range(2):
+    for p in range(nplanes):
         step = loaded.cal.planes[p].step
         for j, (first, n) in enumerate(spans):
             dev = arrays[p][j]

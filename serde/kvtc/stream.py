@@ -62,9 +62,11 @@ def _coder() -> Any:
     return rans
 
 
-def encode(loaded: Loaded, q: np.ndarray[Any, Any], block: int) -> list[bytes | memoryview]:
-    """The sections of ``q`` ``[N, T]`` int64 (N = the calibration's component count)."""
-    c = loaded.coords
+def encode(
+    loaded: Loaded, planes: tuple[int, ...], q: np.ndarray[Any, Any], block: int
+) -> list[bytes | memoryview]:
+    """The sections of ``q`` ``[N, T]`` int64 (N: the components of ``planes``)."""
+    c = loaded.coords(planes)
     lay = Layout(c.count, q.shape[1], block)
     shift = c.shift[:, None]
     hi = q >> shift
@@ -88,9 +90,11 @@ def encode(loaded: Loaded, q: np.ndarray[Any, Any], block: int) -> list[bytes | 
     ]
 
 
-def decode(loaded: Loaded, reader: PayloadReader, tokens: int, block: int) -> np.ndarray[Any, Any]:
+def decode(
+    loaded: Loaded, planes: tuple[int, ...], reader: PayloadReader, tokens: int, block: int
+) -> np.ndarray[Any, Any]:
     """``q`` ``[N, tokens]`` int64 from the reader's next sections; ``CorruptObject`` if bad."""
-    c = loaded.coords
+    c = loaded.coords(planes)
     lay = Layout(c.count, tokens, block)
     lengths = reader.array("<u4", lay.streams).astype(np.int64)
     n_esc = int(reader.array("<u4", 1)[0])

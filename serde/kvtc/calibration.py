@@ -183,22 +183,12 @@ class Loaded:
         return Coords(cat(tid), cat(shift), cat(rng), np.array(start, np.int64))
 
     def arrays(self, device: torch.device) -> list[list[Device]]:
-        """Per plane, per group: ``(mean [F], basis [F, rank])`` float32 on ``device``."""
+        """Per plane, per group: the group's transform as float32 on ``device``."""
         key = str(device)
         got = self._device.get(key)
         if got is None:
-            import torch
-
             got = [
-                [
-                    Device(
-                        torch.from_numpy(np.frombuffer(g.mean, "<f4").copy()).to(device),
-                        torch.from_numpy(
-                            np.frombuffer(g.basis, "<f2").astype(np.float32).reshape(-1, g.rank)
-                        ).to(device),
-                    )
-                    for g in plane.groups
-                ]
+                [Device.of(g, plane.step, device) for g in plane.groups]
                 for plane in self.cal.planes
             ]
             self._device[key] = got
@@ -219,8 +209,24 @@ class Coords:
 
 @dataclass(frozen=True, slots=True)
 class Device:
-    mean: torch.Tensor
-    basis: torch.Tensor
+    """A group's transform, in steps: ``q = x @ encode - offset`` (then rounded) and
+    ``x_hat = q.T @ decode + mean``."""
+
+    mean: torch.Tensor  # [F]
+    encode: torch.Tensor  # [F, rank]: basis / step
+    offset: torch.Tensor  # [rank]: mean @ encode
+    decode: torch.Tensor  # [rank, F]: (basis * step).T, contiguous
+
+    @classmethod
+    def of(cls, g: GroupBasis, step: float, device: torch.device) -> Device:
+        import torch
+
+        mean = torch.from_numpy(np.frombuffer(g.mean, "<f4").copy()).to(device)
+        basis = np.frombuffer(g.basis, "<f2").astype(np.float32).reshape(-1, g.rank)
+        b = torch.from_numpy(basis).to(device)
+        encode = (b * (1.0 / step)).contiguous()
+        decode = (b * step).t().contiguous()
+        return cls(mean, encode, mean @ encode, decode)
 
 
 def load(data: bytes | memoryview) -> Loaded:

@@ -125,8 +125,6 @@ class KvtcCodec:
         tokens = layout.tokens
         head, tail = transform.exact_tokens(tokens, position, self.sinks, self.window)
         mid = canon[:, :, head : tokens - tail].float()
-        if not bool(torch.isfinite(mid).all()):
-            return None
         rope = cal.rope if position is not None else None
         keys = mid[0]
         if rope is not None:
@@ -134,17 +132,18 @@ class KvtcCodec:
             keys = transform.unrotated_keys(keys, rope, position + head)
         planes = (loaded.key_plane(rope is not None), 1)
         arrays = loaded.arrays(t.device)
-        parts = []
-        for p, data in zip(planes, (keys, mid[1]), strict=True):
-            step = cal.planes[p].step
-            for j, (first, n) in enumerate(cal.group_layers()):
-                dev = arrays[p][j]
-                x = transform.group_features(data, first, n)
-                y = (x - dev.mean) @ (dev.basis * (1.0 / step))
-                if y.numel() and float(y.abs().max()) > COEFF_LIMIT:
-                    return None
-                parts.append(y.t().round().to(torch.int64))
-        q = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, mid.shape[2]), np.int64)
+        ys = [
+            transform.coefficients(transform.group_features(data, first, n), arrays[p][j])
+            for p, data in zip(planes, (keys, mid[1]), strict=True)
+            for j, (first, n) in enumerate(cal.group_layers())
+        ]
+        y = torch.cat(ys, dim=1)  # [coded tokens, components]
+        if y.numel() == 0 and not bool(torch.isfinite(mid).all()):
+            return None
+        # NaN and infinity in x make their coefficients NaN or infinite: caught here too.
+        if y.numel() and not float(y.abs().max()) <= COEFF_LIMIT:
+            return None
+        q = y.round_().to(torch.int32).cpu().numpy().T  # [components, tokens] (a view)
         exact = [canon[:, :, :head], canon[:, :, tokens - tail :]]
         exact_bytes = [_host_bytes(e) for e in exact if e.shape[2]]
         block = stream.default_block(mid.shape[2])
@@ -217,20 +216,18 @@ class KvtcCodec:
         if rope is not None and not cal.rope_head_dim:
             raise CorruptObject("kvtc frame: RoPE undone with a calibration that does not")
         planes = (loaded.key_plane(rope is not None), 1)
-        q = torch.from_numpy(stream.decode(loaded, planes, reader, coded, block))
+        q = stream.decode(loaded, planes, reader, coded, block)
         reader.finish()
+        qf = torch.from_numpy(q.astype(np.float32))
         arrays = loaded.arrays(torch.device("cpu"))
         limit = FINITE_MAX[info.dtype]
         start = loaded.coords(planes).start
         k = 0
         for i, p in enumerate(planes):
-            step = cal.planes[p].step
             plane = torch.empty((layout.layers, coded, layout.channels))
             for j, (first, n) in enumerate(cal.group_layers()):
-                dev = arrays[p][j]
-                qj = q[int(start[k]) : int(start[k + 1])]
+                x = transform.reconstruct(qf[int(start[k]) : int(start[k + 1])], arrays[p][j])
                 k += 1
-                x = transform.dequantize(qj, dev.mean, dev.basis, step)
                 plane[first : first + n] = transform.ungroup(x, n)
             if i == 0 and rope is not None:
                 assert position is not None

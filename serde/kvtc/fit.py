@@ -228,7 +228,6 @@ def _count_symbols(
     counts = symbols.empty_counts(nplanes)
     arrays = loaded.arrays(torch.device("cpu"))
     for p in range(nplanes):
-        step = loaded.cal.planes[p].step
         for j, (first, n) in enumerate(spans):
             dev = arrays[p][j]
             g = loaded.cal.planes[p].groups[j]
@@ -240,7 +239,7 @@ def _count_symbols(
             rng = symbols.RANGES[cls][:, None]
             for pl in prepared:
                 x = transform.group_features(pl[p], first, n)
-                q = transform.quantize(x, dev.mean, dev.basis, step).numpy().astype(np.int64)
+                q = transform.coefficients(x, dev).round().t().numpy().astype(np.int64)
                 idx = symbols.symbol_index(q >> shift, rng)
                 np.add.at(counts, (np.broadcast_to(tid, idx.shape), idx), 1)
     return counts

@@ -18,6 +18,8 @@ from serde.kvtc.rope import Rope
 if TYPE_CHECKING:
     import torch
 
+    from serde.kvtc.calibration import Device
+
 
 def exact_tokens(tokens: int, position: int | None, sinks: int, window: int) -> tuple[int, int]:
     """``(head, tail)``: how many leading and trailing tokens of a chunk are stored exactly."""
@@ -56,21 +58,20 @@ def ungroup(features: torch.Tensor, count: int) -> torch.Tensor:
     return features.reshape(tokens, count, -1).permute(1, 0, 2)
 
 
-def quantize(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, step: float) -> torch.Tensor:
-    """Coefficients of ``x`` ``[tokens, F]`` on ``basis`` ``[F, rank]`` in steps, rounded:
-    ``[rank, tokens]`` int32 (component-major: one component's tokens are one stream run)."""
-    y = (x - mean) @ (basis * (1.0 / step))
-    return y.t().round().to(dtype=_int32())
+def coefficients(x: torch.Tensor, dev: Device) -> torch.Tensor:
+    """Coefficients of ``x`` ``[tokens, F]`` in steps (unrounded): ``[tokens, rank]``."""
+    return torch_addmm(dev.offset, x, dev.encode)
 
 
-def dequantize(
-    q: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, step: float
+def reconstruct(q: torch.Tensor, dev: Device) -> torch.Tensor:
+    """``[tokens, F]`` float32 from ``[rank, tokens]`` float32 coefficients (in steps)."""
+    return torch_addmm(dev.mean, q.t(), dev.decode, beta=1.0)
+
+
+def torch_addmm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = -1.0
 ) -> torch.Tensor:
-    """``[tokens, F]`` float32 from ``[rank, tokens]`` coefficients."""
-    return q.t().float() @ (basis.t() * step) + mean
-
-
-def _int32() -> torch.dtype:
+    """``beta * bias + a @ b`` in one BLAS call (no extra pass over the result)."""
     import torch
 
-    return torch.int32
+    return torch.addmm(bias, a, b, beta=beta)

@@ -209,13 +209,13 @@ class Coords:
 
 @dataclass(frozen=True, slots=True)
 class Device:
-    """A group's transform, in steps: ``q = x @ encode - offset`` (then rounded) and
+    """A group's transform, in steps: ``q = encode @ x.T - offset`` (then rounded) and
     ``x_hat = q.T @ decode + mean``."""
 
     mean: torch.Tensor  # [F]
-    encode: torch.Tensor  # [F, rank]: basis / step
-    offset: torch.Tensor  # [rank]: mean @ encode
-    decode: torch.Tensor  # [rank, F]: (basis * step).T, contiguous
+    encode: torch.Tensor  # [rank, F]: basis.T / step, contiguous
+    offset: torch.Tensor  # [rank, 1]: encode @ mean
+    decode: torch.Tensor  # [rank, F]: basis.T * step, contiguous
 
     @classmethod
     def of(cls, g: GroupBasis, step: float, device: torch.device) -> Device:
@@ -223,10 +223,10 @@ class Device:
 
         mean = torch.from_numpy(np.frombuffer(g.mean, "<f4").copy()).to(device)
         basis = np.frombuffer(g.basis, "<f2").astype(np.float32).reshape(-1, g.rank)
-        b = torch.from_numpy(basis).to(device)
-        encode = (b * (1.0 / step)).contiguous()
-        decode = (b * step).t().contiguous()
-        return cls(mean, encode, mean @ encode, decode)
+        bt = torch.from_numpy(basis).to(device).t()
+        encode = (bt * (1.0 / step)).contiguous()
+        decode = (bt * step).contiguous()
+        return cls(mean, encode, (encode @ mean)[:, None], decode)
 
 
 def load(data: bytes | memoryview) -> Loaded:

@@ -35,8 +35,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from gateway.errors import ConfigError, CorruptObject
 from gateway.frame import FrameInfo
 from gateway.objects import ITEMSIZE, ObjectData, torch_dtype
@@ -137,13 +135,13 @@ class KvtcCodec:
             for p, data in zip(planes, (keys, mid[1]), strict=True)
             for j, (first, n) in enumerate(cal.group_layers())
         ]
-        y = torch.cat(ys, dim=1)  # [coded tokens, components]
+        y = torch.cat(ys)  # [components, coded tokens]
         if y.numel() == 0 and not bool(torch.isfinite(mid).all()):
             return None
         # NaN and infinity in x make their coefficients NaN or infinite: caught here too.
         if y.numel() and not float(y.abs().max()) <= COEFF_LIMIT:
             return None
-        q = y.round_().to(torch.int32).cpu().numpy().T  # [components, tokens] (a view)
+        q = y.round_().to(torch.int32).cpu().numpy()
         exact = [canon[:, :, :head], canon[:, :, tokens - tail :]]
         exact_bytes = [_host_bytes(e) for e in exact if e.shape[2]]
         block = stream.default_block(mid.shape[2])
@@ -216,9 +214,8 @@ class KvtcCodec:
         if rope is not None and not cal.rope_head_dim:
             raise CorruptObject("kvtc frame: RoPE undone with a calibration that does not")
         planes = (loaded.key_plane(rope is not None), 1)
-        q = stream.decode(loaded, planes, reader, coded, block)
+        qf = torch.from_numpy(stream.decode(loaded, planes, reader, coded, block))
         reader.finish()
-        qf = torch.from_numpy(q.astype(np.float32))
         arrays = loaded.arrays(torch.device("cpu"))
         limit = FINITE_MAX[info.dtype]
         start = loaded.coords(planes).start

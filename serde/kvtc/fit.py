@@ -239,7 +239,7 @@ def _count_symbols(
             rng = symbols.RANGES[cls][:, None]
             for pl in prepared:
                 x = transform.group_features(pl[p], first, n)
-                q = transform.coefficients(x, dev).round().t().numpy().astype(np.int64)
+                q = transform.coefficients(x, dev).round().numpy().astype(np.int64)
                 idx = symbols.symbol_index(q >> shift, rng)
                 np.add.at(counts, (np.broadcast_to(tid, idx.shape), idx), 1)
     return counts

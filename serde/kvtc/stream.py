@@ -54,46 +54,57 @@ class Layout:
         return np.repeat(padded, self.tokens).reshape(self.streams, self.block * self.tokens)
 
 
-def _coder() -> Any:
+def _kernels() -> Any:
+    """The numba kernels, or None for the reference (``KVGATE_KERNELS=reference``, no numba)."""
     if dispatch.forced_reference() or not dispatch.has_numba():
         return None
-    from gpu.cpu import rans
+    from gpu.cpu import kvtc
 
-    return rans
+    return kvtc
 
 
 def encode(
     loaded: Loaded, planes: tuple[int, ...], q: np.ndarray[Any, Any], block: int
 ) -> list[bytes | memoryview]:
-    """The sections of ``q`` ``[N, T]`` int64 (N: the components of ``planes``)."""
+    """The sections of ``q`` ``[N, T]`` int32 (N: the components of ``planes``)."""
     c = loaded.coords(planes)
     lay = Layout(c.count, q.shape[1], block)
-    shift = c.shift[:, None]
-    hi = q >> shift
-    idx = symbol_index(hi, c.rng[:, None])
-    escapes = hi[idx == 0].astype("<i4")
-    sym = np.zeros((lay.streams * lay.block, lay.tokens), np.int64)
-    sym[: lay.components] = idx
-    sym = sym.reshape(lay.streams, -1)
-    tbl = lay.per_symbol(c.tid)
     tables = loaded.tables
-    rans = _coder()
-    if rans is not None:
-        words, lengths = rans.encode_streams(sym, tbl, lay.counts(), tables.freq, tables.cum)
+    kernels = _kernels()
+    if kernels is not None:
+        q = np.ascontiguousarray(q, np.int32)
+        words, lengths, escaped = kernels.encode(
+            q, c.shift, c.rng, c.tid, block, tables.freq, tables.cum
+        )
+        escapes = _escapes(q, c) if escaped.any() else np.zeros(0, "<i4")
     else:
-        words, lengths = _reference_encode(sym, tbl, lay.counts(), tables)
+        q64 = q.astype(np.int64)
+        idx = symbol_index(q64 >> c.shift[:, None], c.rng[:, None])
+        escapes = _escapes(q64, c)
+        sym = np.zeros((lay.streams * lay.block, lay.tokens), np.int64)
+        sym[: lay.components] = idx
+        sym = sym.reshape(lay.streams, -1)
+        words, lengths = _reference_encode(sym, lay.per_symbol(c.tid), lay.counts(), tables)
     return [
         np.asarray(lengths, "<u4").tobytes(),
-        np.uint32(len(escapes)).tobytes() + escapes.tobytes(),
+        np.uint32(len(escapes)).tobytes() + escapes.astype("<i4").tobytes(),
         _pack_low(q, c.shift),
         np.ascontiguousarray(words, "<u2").data.cast("B"),
     ]
 
 
+def _escapes(q: np.ndarray[Any, Any], c: Any) -> np.ndarray[Any, Any]:
+    """The coded values outside their table's range, in stream (C) order."""
+    hi = q.astype(np.int64) >> c.shift[:, None]
+    out: np.ndarray[Any, Any] = hi[(hi < -c.rng[:, None]) | (hi > c.rng[:, None])]
+    return out
+
+
 def decode(
     loaded: Loaded, planes: tuple[int, ...], reader: PayloadReader, tokens: int, block: int
 ) -> np.ndarray[Any, Any]:
-    """``q`` ``[N, tokens]`` int64 from the reader's next sections; ``CorruptObject`` if bad."""
+    """The coefficients ``[N, tokens]`` as float32 from the reader's next sections;
+    ``CorruptObject`` if they do not decode."""
     c = loaded.coords(planes)
     lay = Layout(c.count, tokens, block)
     lengths = reader.array("<u4", lay.streams).astype(np.int64)
@@ -105,25 +116,41 @@ def decode(
     offsets = np.zeros(lay.streams + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     words = reader.array("<u2", int(offsets[-1]))
-    tbl = lay.per_symbol(c.tid)
     tables = loaded.tables
-    rans = _coder()
-    if rans is not None:
-        sym, ok = rans.decode_streams(
-            words, offsets, tbl, lay.counts(), tables.freq, tables.cum, loaded.lut
-        )
-    else:
-        sym, ok = _reference_decode(words, offsets, tbl, lay.counts(), tables, loaded.lut)
-    if not bool(np.all(ok)):
-        raise CorruptObject("kvtc payload: a stream does not decode")
+    kernels = _kernels()
+    if kernels is not None:
+        out, ok, found = kernels.decode(
+            words, offsets, (c.count, tokens), c.shift, c.rng, c.tid, block,
+            tables.freq, tables.cum, loaded.lut,
+        )  # fmt: skip
+        _check(ok)
+        if found != n_esc:
+            raise CorruptObject("kvtc payload: escape count disagrees with the streams")
+        if n_esc:
+            escaped = np.isnan(out)
+            rows = np.nonzero(escaped)[0]
+            out[escaped] = escapes.astype(np.float64) * np.exp2(c.shift[rows])
+        rows = np.flatnonzero(c.shift > 0)
+        if rows.size:
+            out[rows] += low[rows]
+        return out
+    sym, ok = _reference_decode(
+        words, offsets, lay.per_symbol(c.tid), lay.counts(), tables, loaded.lut
+    )
+    _check(ok)
     idx = sym.reshape(-1)[: c.count * tokens].reshape(c.count, tokens)
     hi = idx - c.rng[:, None] - 1
     escaped = idx == 0
     if int(escaped.sum()) != n_esc:
         raise CorruptObject("kvtc payload: escape count disagrees with the streams")
     hi[escaped] = escapes
-    out: np.ndarray[Any, Any] = (hi << c.shift[:, None]) | low
-    return out
+    q: np.ndarray[Any, Any] = (hi << c.shift[:, None]) | low
+    return q.astype(np.float32)
+
+
+def _check(ok: np.ndarray[Any, Any]) -> None:
+    if not bool(np.all(ok)):
+        raise CorruptObject("kvtc payload: a stream does not decode")
 
 
 def _pack_low(q: np.ndarray[Any, Any], shift: np.ndarray[Any, Any]) -> bytes:

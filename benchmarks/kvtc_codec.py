@@ -55,7 +55,9 @@ def main() -> None:
             label = point.options_label
             if point.codec == "kvtc":
                 label = Path(point.options["calibration"]).stem
-            rows.append({"sample": name, "codec": point.codec, "label": label, **dataclasses.asdict(row)})
+            rows.append(
+                {"sample": name, "codec": point.codec, "label": label, **dataclasses.asdict(row)}
+            )
             if row.error:
                 print(name, point.codec, label, row.error)
                 continue

@@ -72,7 +72,10 @@ def main() -> None:
         header, body = decode_frame(blob)
         raw = codec.decode(body, header, None)
         got = torch.frombuffer(bytearray(raw), dtype=torch.float16).reshape(host.shape)
-        err = [float((got[p].float() - host[p].float()).norm() / host[p].float().norm()) for p in (0, 1)]
+        err = [
+            float((got[p].float() - host[p].float()).norm() / host[p].float().norm())
+            for p in (0, 1)
+        ]
 
         def enc(obj=obj):  # type: ignore[no-untyped-def]
             return encode_frame(codec, obj)

@@ -112,7 +112,7 @@ def decode(
     if n_esc > min(MAX_ESCAPES, c.count * tokens):
         raise CorruptObject("kvtc payload: too many escapes")
     escapes = reader.array("<i4", n_esc)
-    low = _unpack_low(reader, c.shift, tokens)
+    low_rows, low = _unpack_low(reader, c.shift, tokens)
     offsets = np.zeros(lay.streams + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     words = reader.array("<u2", int(offsets[-1]))
@@ -130,10 +130,10 @@ def decode(
             escaped = np.isnan(out)
             rows = np.nonzero(escaped)[0]
             out[escaped] = escapes.astype(np.float64) * np.exp2(c.shift[rows])
-        rows = np.flatnonzero(c.shift > 0)
-        if rows.size:
-            out[rows] += low[rows]
-        return out
+        if low_rows.size:
+            out[low_rows] += low
+        result: np.ndarray[Any, Any] = out
+        return result
     sym, ok = _reference_decode(
         words, offsets, lay.per_symbol(c.tid), lay.counts(), tables, loaded.lut
     )
@@ -144,7 +144,8 @@ def decode(
     if int(escaped.sum()) != n_esc:
         raise CorruptObject("kvtc payload: escape count disagrees with the streams")
     hi[escaped] = escapes
-    q: np.ndarray[Any, Any] = (hi << c.shift[:, None]) | low
+    q: np.ndarray[Any, Any] = hi << c.shift[:, None]
+    q[low_rows] |= low
     return q.astype(np.float32)
 
 
@@ -166,11 +167,11 @@ def _pack_low(q: np.ndarray[Any, Any], shift: np.ndarray[Any, Any]) -> bytes:
 
 def _unpack_low(
     reader: PayloadReader, shift: np.ndarray[Any, Any], tokens: int
-) -> np.ndarray[Any, Any]:
-    low = np.zeros((len(shift), tokens), np.int64)
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """``(rows, their low bits [rows, tokens])``: the components with a shift."""
     rows = np.flatnonzero(shift > 0)
     if rows.size == 0:
-        return low
+        return rows, np.zeros((0, tokens), np.int64)
     s = shift[rows]
     nbits = int(s.sum()) * tokens
     raw = reader.array(np.uint8, (nbits + 7) // 8)
@@ -179,8 +180,7 @@ def _unpack_low(
     full = np.zeros((len(rows), tokens, width), np.int64)
     keep = np.broadcast_to(np.arange(width) < s[:, None, None], full.shape)
     full[keep] = bits
-    low[rows] = (full << np.arange(width)).sum(axis=2)
-    return low
+    return rows, (full << np.arange(width)).sum(axis=2)
 
 
 def _reference_encode(

@@ -273,3 +273,21 @@ def test_numba_kernels_write_and_read_the_reference_payload(
     got = torch.frombuffer(bytearray(fast_out), dtype=src.dtype).reshape(src.shape)
     # (The scaled tokens leave the calibrated subspace: truncation error, not a coder's.)
     assert max(plane_errors(src[:, :, :40], got[:, :, :40])) < 0.06
+
+
+def test_the_device_transform_matches_the_host_one(calibrated: str) -> None:
+    """The torch path (what a CUDA tensor takes) and the numpy host path give the same
+    coefficients, up to float32 rounding at a tie (run here on the CPU)."""
+    from serde.kvtc.codec import _coefficients_host, _coefficients_torch
+
+    loaded = registry.lookup(calibrated)
+    assert loaded is not None
+    kv = correlated_kv(64, 1000, seed=31)
+    for planes, rope in (((0, 1), ROPE), ((2, 1), None)):
+        a = _coefficients_host(loaded, planes, kv, rope, 1000)
+        b = _coefficients_torch(loaded, planes, kv, rope, 1000)
+        assert a is not None
+        assert b is not None
+        diff = np.abs(a.astype(np.int64) - b)
+        assert diff.max() <= 1
+        assert (diff > 0).mean() < 1e-3

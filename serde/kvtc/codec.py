@@ -33,7 +33,10 @@ like the calibration's (measured in ``tests/test_kvtc.py``). Non-float objects a
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
+
+import numpy as np
 
 from gateway.errors import ConfigError, CorruptObject
 from gateway.frame import FrameInfo
@@ -41,8 +44,8 @@ from gateway.objects import ITEMSIZE, ObjectData, torch_dtype
 from gateway.types import Buffer, BufferParts, ParamValue
 from serde.cachegen.codec import CacheGenCodec
 from serde.cachegen.model import FINITE_MAX
-from serde.kvtc import registry, stream, transform
-from serde.kvtc.calibration import Loaded
+from serde.kvtc import host, registry, stream, transform
+from serde.kvtc.calibration import Device, Loaded
 from serde.kvtc.rope import Rope, fits
 from serde.layout import KVLayout, layout_of
 from serde.tensors import (
@@ -116,35 +119,23 @@ class KvtcCodec:
     def _encode(
         self, loaded: Loaded, layout: KVLayout, t: Any, position: int | None
     ) -> tuple[list[Buffer], dict[str, ParamValue]] | None:
-        import torch
-
         cal = loaded.cal
         canon = layout.to_canonical(t)
         tokens = layout.tokens
         head, tail = transform.exact_tokens(tokens, position, self.sinks, self.window)
-        mid = canon[:, :, head : tokens - tail].float()
         rope = cal.rope if position is not None else None
-        keys = mid[0]
-        if rope is not None:
-            assert position is not None
-            keys = transform.unrotated_keys(keys, rope, position + head)
         planes = (loaded.key_plane(rope is not None), 1)
-        arrays = loaded.arrays(t.device)
-        ys = [
-            transform.coefficients(transform.group_features(data, first, n), arrays[p][j])
-            for p, data in zip(planes, (keys, mid[1]), strict=True)
-            for j, (first, n) in enumerate(cal.group_layers())
-        ]
-        y = torch.cat(ys)  # [components, coded tokens]
-        if y.numel() == 0 and not bool(torch.isfinite(mid).all()):
+        mid = canon[:, :, head : tokens - tail]
+        first = (position or 0) + head
+        if t.device.type == "cpu":
+            q = _coefficients_host(loaded, planes, mid, rope, first)
+        else:
+            q = _coefficients_torch(loaded, planes, mid, rope, first)
+        if q is None:
             return None
-        # NaN and infinity in x make their coefficients NaN or infinite: caught here too.
-        if y.numel() and not float(y.abs().max()) <= COEFF_LIMIT:
-            return None
-        q = y.round_().to(torch.int32).cpu().numpy()
         exact = [canon[:, :, :head], canon[:, :, tokens - tail :]]
         exact_bytes = [_host_bytes(e) for e in exact if e.shape[2]]
-        block = stream.default_block(mid.shape[2])
+        block = stream.default_block(q.shape[1])
         sections = stream.encode(loaded, planes, q, block)
         params: dict[str, ParamValue] = {
             "v": VERSION,
@@ -214,23 +205,100 @@ class KvtcCodec:
         if rope is not None and not cal.rope_head_dim:
             raise CorruptObject("kvtc frame: RoPE undone with a calibration that does not")
         planes = (loaded.key_plane(rope is not None), 1)
-        qf = torch.from_numpy(stream.decode(loaded, planes, reader, coded, block))
+        qf = stream.decode(loaded, planes, reader, coded, block)
         reader.finish()
         arrays = loaded.arrays(torch.device("cpu"))
-        limit = FINITE_MAX[info.dtype]
         start = loaded.coords(planes).start
-        k = 0
+        mid = np.empty((2, layout.layers, coded, layout.channels), np.float32)
+        jobs = []
         for i, p in enumerate(planes):
-            plane = torch.empty((layout.layers, coded, layout.channels))
             for j, (first, n) in enumerate(cal.group_layers()):
-                x = transform.reconstruct(qf[int(start[k]) : int(start[k + 1])], arrays[p][j])
-                k += 1
-                plane[first : first + n] = transform.ungroup(x, n)
-            if i == 0 and rope is not None:
-                assert position is not None
-                plane = transform.rotated_keys(plane, rope, position + head)
-            canon[i, :, head : tokens - tail] = plane.clamp_(-limit, limit).to(dtype)
+                k = i * len(cal.planes[p].groups) + j
+                rows = qf[int(start[k]) : int(start[k + 1])]
+                jobs.append(
+                    partial(_reconstruct_into, mid[i, first : first + n], rows, arrays[p][j])
+                )
+        host.run_groups(jobs)
+        if rope is not None:
+            assert position is not None
+            mid[0] = host.rotate(mid[0], rope, position + head, 1.0)
+        limit = FINITE_MAX[info.dtype]
+        np.clip(mid, -limit, limit, out=mid)
+        bits = host.from_float32(mid, info.dtype)
+        decoded = torch.from_numpy(bits.view(_SAME_SIZE_INT[bits.itemsize])).view(dtype)
+        canon[:, :, head : tokens - tail] = decoded
         return tensor_bytes(layout.from_canonical(canon), out)
+
+
+_SAME_SIZE_INT = {2: np.int16, 4: np.int32}
+
+
+def _reconstruct_into(out: np.ndarray[Any, Any], q: np.ndarray[Any, Any], dev: Device) -> None:
+    """``out`` ``[layers, tokens, channels]`` of a group from its coefficients."""
+    x = host.reconstruct(q, dev)  # [tokens, layers * channels]
+    out[...] = x.reshape(x.shape[0], out.shape[0], -1).transpose(1, 0, 2)
+
+
+def _coefficients_host(
+    loaded: Loaded, planes: tuple[int, int], mid: Any, rope: Rope | None, first: int
+) -> np.ndarray[Any, Any] | None:
+    """The rounded coefficients ``[components, tokens]`` int32 of host K/V ``mid``
+    ``[2, L, T, D]`` (any float dtype), or None when they are not finite or too large."""
+    import torch
+
+    cal = loaded.cal
+    x32 = host.float32(mid)
+    keys = host.rotate(x32[0], rope, first, -1.0) if rope is not None else x32[0]
+    coords = loaded.coords(planes)
+    arrays = loaded.arrays(torch.device("cpu"))
+    q = np.empty((coords.count, x32.shape[2]), np.int32)
+    jobs = []
+    k = 0
+    for p, data in zip(planes, (keys, x32[1]), strict=True):
+        for j, (a, n) in enumerate(cal.group_layers()):
+            rows = q[int(coords.start[k]) : int(coords.start[k + 1])]
+            k += 1
+            jobs.append(partial(_coefficients_into, rows, data[a : a + n], arrays[p][j]))
+    try:
+        host.run_groups(jobs)
+    except ValueError:
+        return None  # NaN, infinity or magnitudes no step can code
+    dropped = any(g.rank == 0 for p in planes for g in cal.planes[p].groups)
+    if dropped and not np.isfinite(x32).all():  # a group without components checks nothing
+        return None
+    return q
+
+
+def _coefficients_into(
+    out: np.ndarray[Any, Any], layers: np.ndarray[Any, Any], dev: Device
+) -> None:
+    x = layers.transpose(1, 0, 2).reshape(layers.shape[1], -1)  # [tokens, F]
+    host.coefficients(x, dev, out)
+
+
+def _coefficients_torch(
+    loaded: Loaded, planes: tuple[int, int], mid: Any, rope: Rope | None, first: int
+) -> np.ndarray[Any, Any] | None:
+    """``_coefficients_host`` on the tensor's device (a GPU: the products are matmuls there)."""
+    import torch
+
+    cal = loaded.cal
+    x = mid.float()
+    keys = transform.unrotated_keys(x[0], rope, first) if rope is not None else x[0]
+    arrays = loaded.arrays(mid.device)
+    ys = [
+        transform.coefficients(transform.group_features(data, a, n), arrays[p][j])
+        for p, data in zip(planes, (keys, x[1]), strict=True)
+        for j, (a, n) in enumerate(cal.group_layers())
+    ]
+    y = torch.cat(ys)  # [components, coded tokens]
+    if y.numel() == 0 and not bool(torch.isfinite(x).all()):
+        return None
+    # NaN and infinity in x make their coefficients NaN or infinite: caught here too.
+    if y.numel() and not float(y.abs().max()) <= COEFF_LIMIT:
+        return None
+    q: np.ndarray[Any, Any] = y.round_().to(torch.int32).cpu().numpy()
+    return q
 
 
 def _fits(loaded: Loaded, layout: KVLayout) -> bool:

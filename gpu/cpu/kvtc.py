@@ -163,3 +163,89 @@ def decode(
     args = (words, offsets, shift, rng, tid, block, dent, lut, out, ok, escapes)
     dispatch.parallel(lambda a, b: _decode_range(*args, a, b), streams)
     return out, ok, int(escapes.sum())
+
+
+@njit(nogil=True, cache=False)
+def _pack_low(q: Any, shift: Any, out: Any) -> None:
+    """Low bits of shifted components, component after component, LSB first."""
+    bit = 0
+    n, tokens = q.shape
+    for c in range(n):
+        sh = shift[c]
+        if sh == 0:
+            continue
+        for t in range(tokens):
+            v = np.int64(q[c, t])
+            for b in range(sh):
+                if (v >> b) & 1:
+                    out[bit >> 3] |= np.uint8(1 << (bit & 7))
+                bit += 1
+
+
+@njit(nogil=True, cache=False)
+def _add_low(out: Any, raw: Any, shift: Any) -> None:
+    bit = 0
+    n, tokens = out.shape
+    for c in range(n):
+        sh = shift[c]
+        if sh == 0:
+            continue
+        for t in range(tokens):
+            v = np.int64(0)
+            for b in range(sh):
+                v |= ((np.int64(raw[bit >> 3]) >> (bit & 7)) & 1) << b
+                bit += 1
+            out[c, t] += np.float32(v)
+
+
+@njit(nogil=True, cache=False)
+def _escapes(q: Any, shift: Any, rng: Any, out: Any) -> None:
+    k = 0
+    n, tokens = q.shape
+    for c in range(n):
+        for t in range(tokens):
+            hi = np.int64(q[c, t]) >> shift[c]
+            if hi < -rng[c] or hi > rng[c]:
+                out[k] = hi
+                k += 1
+
+
+@njit(nogil=True, cache=False)
+def _fill_escapes(out: Any, escapes: Any, shift: Any) -> None:
+    k = 0
+    n, tokens = out.shape
+    for c in range(n):
+        for t in range(tokens):
+            if np.isnan(out[c, t]):
+                out[c, t] = np.float32(np.float64(escapes[k]) * 2.0 ** shift[c])
+                k += 1
+
+
+def pack_low(q: np.ndarray[Any, Any], shift: np.ndarray[Any, Any]) -> bytes:
+    """``serde.kvtc.stream``'s low-bit section of ``q`` ``[N, T]`` int32."""
+    nbits = int(shift.sum()) * q.shape[1]
+    out = np.zeros((nbits + 7) // 8, np.uint8)
+    _pack_low(q, shift, out)
+    return out.tobytes()
+
+
+def add_low(
+    out: np.ndarray[Any, Any], raw: np.ndarray[Any, Any], shift: np.ndarray[Any, Any]
+) -> None:
+    """Add the low bits (``raw``: the section, checked long enough) to ``out`` ``[N, T]``."""
+    _add_low(out, raw, shift)
+
+
+def escapes_of(
+    q: np.ndarray[Any, Any], shift: np.ndarray[Any, Any], rng: np.ndarray[Any, Any], count: int
+) -> np.ndarray[Any, Any]:
+    out = np.zeros(count, np.int32)
+    _escapes(q, shift, rng, out)
+    return out
+
+
+def fill_escapes(
+    out: np.ndarray[Any, Any], escapes: np.ndarray[Any, Any], shift: np.ndarray[Any, Any]
+) -> None:
+    """Replace the NaNs of ``out`` (as many as ``escapes``, checked) in C order."""
+    _fill_escapes(out, escapes, shift)

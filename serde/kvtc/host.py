@@ -12,6 +12,7 @@ same bases, rounding half to even.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,14 +29,24 @@ if TYPE_CHECKING:
 Array = np.ndarray[Any, Any]
 
 
+@functools.cache
+def _blas_controller() -> Any:
+    """threadpoolctl's view of the loaded BLAS libraries (found once: finding them walks every
+    loaded library, tens of milliseconds), or None without threadpoolctl."""
+    try:
+        from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+    except ModuleNotFoundError:  # pragma: no cover - the codecs extra installs it
+        return None
+    return ThreadpoolController()
+
+
 @contextlib.contextmanager
 def single_threaded_blas() -> Iterator[None]:
-    try:
-        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
-    except ModuleNotFoundError:  # pragma: no cover - installed with numba's usual companions
+    controller = _blas_controller()
+    if controller is None:  # pragma: no cover
         yield
         return
-    with threadpool_limits(limits=1, user_api="blas"):
+    with controller.limit(limits=1, user_api="blas"):
         yield
 
 

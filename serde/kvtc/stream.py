@@ -76,7 +76,9 @@ def encode(
         words, lengths, escaped = kernels.encode(
             q, c.shift, c.rng, c.tid, block, tables.freq, tables.cum
         )
-        escapes = _escapes(q, c) if escaped.any() else np.zeros(0, "<i4")
+        n_esc = int(escaped.sum())
+        escapes = kernels.escapes_of(q, c.shift, c.rng, n_esc) if n_esc else np.zeros(0, "<i4")
+        low = kernels.pack_low(q, c.shift)
     else:
         q64 = q.astype(np.int64)
         idx = symbol_index(q64 >> c.shift[:, None], c.rng[:, None])
@@ -85,10 +87,11 @@ def encode(
         sym[: lay.components] = idx
         sym = sym.reshape(lay.streams, -1)
         words, lengths = _reference_encode(sym, lay.per_symbol(c.tid), lay.counts(), tables)
+        low = _pack_low(q, c.shift)
     return [
         np.asarray(lengths, "<u4").tobytes(),
         np.uint32(len(escapes)).tobytes() + escapes.astype("<i4").tobytes(),
-        _pack_low(q, c.shift),
+        low,
         np.ascontiguousarray(words, "<u2").data.cast("B"),
     ]
 
@@ -112,7 +115,7 @@ def decode(
     if n_esc > min(MAX_ESCAPES, c.count * tokens):
         raise CorruptObject("kvtc payload: too many escapes")
     escapes = reader.array("<i4", n_esc)
-    low_rows, low = _unpack_low(reader, c.shift, tokens)
+    raw_low = reader.array(np.uint8, (int(c.shift.sum()) * tokens + 7) // 8)
     offsets = np.zeros(lay.streams + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     words = reader.array("<u2", int(offsets[-1]))
@@ -127,11 +130,9 @@ def decode(
         if found != n_esc:
             raise CorruptObject("kvtc payload: escape count disagrees with the streams")
         if n_esc:
-            escaped = np.isnan(out)
-            rows = np.nonzero(escaped)[0]
-            out[escaped] = escapes.astype(np.float64) * np.exp2(c.shift[rows])
-        if low_rows.size:
-            out[low_rows] += low
+            kernels.fill_escapes(out, escapes, c.shift)
+        if raw_low.size:
+            kernels.add_low(out, raw_low, c.shift)
         result: np.ndarray[Any, Any] = out
         return result
     sym, ok = _reference_decode(
@@ -144,6 +145,7 @@ def decode(
     if int(escaped.sum()) != n_esc:
         raise CorruptObject("kvtc payload: escape count disagrees with the streams")
     hi[escaped] = escapes
+    low_rows, low = _unpack_low(raw_low, c.shift, tokens)
     q: np.ndarray[Any, Any] = hi << c.shift[:, None]
     q[low_rows] |= low
     return q.astype(np.float32)
@@ -166,7 +168,7 @@ def _pack_low(q: np.ndarray[Any, Any], shift: np.ndarray[Any, Any]) -> bytes:
 
 
 def _unpack_low(
-    reader: PayloadReader, shift: np.ndarray[Any, Any], tokens: int
+    raw: np.ndarray[Any, Any], shift: np.ndarray[Any, Any], tokens: int
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """``(rows, their low bits [rows, tokens])``: the components with a shift."""
     rows = np.flatnonzero(shift > 0)
@@ -174,7 +176,6 @@ def _unpack_low(
         return rows, np.zeros((0, tokens), np.int64)
     s = shift[rows]
     nbits = int(s.sum()) * tokens
-    raw = reader.array(np.uint8, (nbits + 7) // 8)
     bits = np.unpackbits(raw, bitorder="little")[:nbits]
     width = int(s.max())
     full = np.zeros((len(rows), tokens, width), np.int64)

@@ -36,6 +36,8 @@ from gateway.types import Buffer, BufferParts, MemoryFormat, ParamValue
 
 SEPARATOR = "+"
 SIZES = "sizes"
+# More stages than anyone configures; a frame naming more is refused before anything is built.
+MAX_STAGES = 8
 # A stage may make its input a little larger (a header, a tag, incompressible pieces): the
 # same slack the tiers allow a whole frame (``frame_limit``), plus room for small objects.
 _GROWTH_DIVISOR = 64
@@ -56,8 +58,11 @@ class ChainCodec:
     """Its stages applied in order; see the module docstring for the frame it writes."""
 
     def __init__(self, stages: Sequence[Codec]) -> None:
-        if len(stages) < 2:
-            raise ConfigError("a codec chain needs at least two codecs (one is just that codec)")
+        if not 2 <= len(stages) <= MAX_STAGES:
+            raise ConfigError(
+                f"a codec chain has 2 to {MAX_STAGES} codecs, not {len(stages)} (one codec is "
+                "just that codec)"
+            )
         for stage in stages:
             if SEPARATOR in stage.name:
                 raise ConfigError(f"a codec chain cannot contain a chain ({stage.name!r})")
@@ -238,5 +243,7 @@ def with_known_stages(name: str, known: Mapping[str, Codec], load: Callable[[str
     they name (so a frame's ``aesgcm`` stage decrypts with the tier's configured keys) and
     ``load(stage)`` for the others (defaults: decoding needs no options but keys)."""
     names = stage_names(name)
+    if len(names) > MAX_STAGES:
+        raise CorruptObject(f"a frame names a chain of {len(names)} codecs")
     stages = [known[n] if n in known else load(n) for n in names]
     return build_chain(stages)

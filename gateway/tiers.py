@@ -69,6 +69,7 @@ os.register_at_fork(after_in_child=_new_threads_after_fork)
 # Codecs other than these may compile kernels on first use (numba takes seconds): their work
 # always runs in a thread, whatever the object's size, so the event loop never waits for it.
 INLINE_CODECS = frozenset({"raw", "zstd", "lz4"})
+MAX_CACHED_CODECS = 64
 
 
 async def offload(nbytes: int, fn: Callable[..., T], *args: Any, device: bool = False) -> T:
@@ -260,9 +261,11 @@ class ConnectorTier:
             try:
                 codec = with_known_stages(header.codec, self._configured, load_codec)
             except ConfigError as exc:
-                # aesgcm without this tier's keys (none configured): nothing here can read it
+                # Defaults fail only for a codec that needs keys this tier was not given
+                # (aesgcm): nothing here can read the frame, a reader with keys can.
                 raise KeyUnavailable(f"cannot build codec {header.codec!r} here: {exc}") from None
-            self._codecs[header.codec] = codec
+            if len(self._codecs) < MAX_CACHED_CODECS:  # frame names are backend data: bounded
+                self._codecs[header.codec] = codec
         return codec
 
     async def write(self, key: str, obj: ObjectData, ttl: float | None = None) -> None:

@@ -325,3 +325,14 @@ def test_the_http_service_never_builds_a_keyed_codec_for_a_client() -> None:
         with pytest.raises(BadRequest, match="holds keys"):
             codecs.get(name, '{"key_file": "/etc/hostname"}')
     assert codecs.get("zstd+lz4").name == "zstd+lz4"
+
+
+def test_a_frame_cannot_name_an_endless_chain() -> None:
+    from gateway.codec_chain import MAX_STAGES, with_known_stages
+
+    longest = "+".join(["raw"] * MAX_STAGES)
+    assert with_known_stages(longest, {}, load_codec).name == longest
+    with pytest.raises(CorruptObject):
+        with_known_stages(longest + "+raw", {}, load_codec)
+    with pytest.raises(ConfigError, match="a list"):
+        load_codec("zstd+lz4", level=1)

@@ -11,7 +11,9 @@ HMAC-SHA256(key, label | salt), with a random 96-bit nonce. Why not a random non
 key itself: GCM with random nonces is limited to 2^32 messages per key (NIST SP 800-38D) and
 a repeated nonce leaks the XOR of two plaintexts and the authentication key; a cache writing
 10,000 chunks a second reaches 2^32 in five days. With a fresh subkey per object a collision
-needs salt and nonce to repeat together (224 random bits), out of reach at any volume.
+needs salt and nonce to repeat together (224 random bits), out of reach at any volume. The
+subkey is 32 bytes, so the cipher is AES-256 whatever the size of the configured key (whose
+own size still bounds the strength). Deriving it costs a few microseconds per object.
 
 Associated data (authenticated, not stored): the frame binding (the object's key and the
 header fields that decide what the bytes mean, ``gateway.codec.frame_binding``) and, in a

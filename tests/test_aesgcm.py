@@ -25,10 +25,11 @@ from gateway.objects import ObjectData, to_object_data
 from gateway.registry import build_codec, load_codec
 from gateway.types import Buffer, BufferParts, ParamValue
 from serde.aes_keys import key_id
-from serde.aesgcm import HEAD, OVERHEAD, SALT
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("cryptography")
+# The payload layout (serde/aesgcm.py, which imports cryptography): salt, nonce, ..., tag.
+SALT, HEAD, OVERHEAD = 16, 16 + 12, 16 + 12 + 16
 
 MARKER = b"PLAINTEXT-MARKER-"
 NEW_KEY = bytes(range(200, 232))
@@ -82,6 +83,12 @@ def codec() -> Codec:
 
 
 # -- round trips -----------------------------------------------------------------------------
+
+
+def test_the_layout_is_the_codec_s() -> None:
+    from serde import aesgcm
+
+    assert (aesgcm.SALT, aesgcm.HEAD, aesgcm.OVERHEAD) == (SALT, HEAD, OVERHEAD)
 
 
 def test_round_trip_hides_the_bytes_and_names_its_key(codec: Codec) -> None:

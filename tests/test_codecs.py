@@ -425,7 +425,8 @@ async def test_one_store_reads_objects_of_every_codec(tmp_path: Path) -> None:
         async with Store(_store_config(root, tier_codec(writer))) as store:
             await store.put(f"{writer}/kv", STORED[0][1], fmt=STORED[0][2])
     # zstd with aesgcm's keys: reads every frame (a configured stage decrypts them all)
-    async with Store(_store_config(root, reader_codec("aesgcm"))) as store:
+    reader = reader_codec("aesgcm") if "aesgcm" in CODECS else {"codec": "zstd"}
+    async with Store(_store_config(root, reader)) as store:
         for writer in usable:
             _check_stored(writer, await store.get(f"{writer}/kv"), STORED[0][1], STORED[0][2])
 

@@ -38,7 +38,7 @@ from gateway.memory import BufferPool, Slab
 from gateway.object_meta import check_ttl
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
-from gateway.registry import connect, load_codec, scheme_of
+from gateway.registry import build_codec, connect, scheme_of
 from gateway.tiers import ConnectorTier, Found, MemoryTier, offload
 from gateway.types import MemoryFormat, TierStats
 
@@ -186,7 +186,7 @@ class Store:
             concurrency=tcfg.concurrency,
             stats=stats,
         )
-        codec = load_codec(tcfg.codec, **tcfg.codec_options)
+        codec = build_codec(tcfg.codec, tcfg.codec_options)
         return ConnectorTier(name, stacked, codec, stats, ttl=tcfg.ttl)
 
     async def flush(self) -> None:

@@ -144,3 +144,20 @@ def test_a_new_process_reads_kvtc_frames(tmp_path: Path, cal_file: tuple[Path, s
     _, err, corrupt = done.stdout.split()
     assert float(err) < 0.06
     assert corrupt == "0"
+
+
+async def test_kvtc_in_a_codec_chain(tmp_path: Path, cal_file: tuple[Path, str]) -> None:
+    """kvtc first in a chain: the tier still writes its calibration, and a fresh reader
+    fetches it when the chain's kvtc stage asks."""
+    tier = {
+        "url": f"file://{tmp_path}",
+        "codec": ["kvtc", "zstd"],
+        "codec_options": [{"calibration": str(cal_file[0])}, {}],
+    }
+    kv = correlated_kv(64, 128, seed=88)
+    async with Store({"tiers": [tier]}) as store:
+        await store.put("chained", kv, fmt=F.KV_2LTD, position=128)
+    registry.forget_all()
+    async with Store(config(tmp_path, "raw")) as store:
+        assert close_to(await store.get("chained"), kv)
+        assert store.stats()["file"].corrupt == 0

@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from kvtc_data import CHANNELS, LAYERS, ROPE, calibration_chunks, correlated_kv
 
 from gateway.codec import encode_frame
 from gateway.errors import CorruptObject
@@ -22,7 +23,6 @@ from serde.kvtc import rope as rope_ops
 from serde.kvtc.calibration import CalibrationError, from_bytes, to_bytes
 from serde.kvtc.codec import KvtcCodec
 from serde.kvtc.fit import fit
-from tests.kvtc_data import CHANNELS, LAYERS, ROPE, calibration_chunks, correlated_kv
 
 F = MemoryFormat
 

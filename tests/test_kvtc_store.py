@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+from kvtc_data import ROPE, calibration_chunks, correlated_kv
 
 from gateway import Store
 from gateway.types import MemoryFormat
 from serde.kvtc import registry
 from serde.kvtc.fit import fit
-from tests.kvtc_data import ROPE, calibration_chunks, correlated_kv
 
 F = MemoryFormat
 

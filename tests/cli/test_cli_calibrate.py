@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import yaml
+from kvtc_data import ROPE, correlated_kv
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -15,7 +16,6 @@ from gateway import Store
 from gateway.cli.app import app
 from gateway.types import MemoryFormat
 from serde.kvtc import registry
-from tests.kvtc_data import ROPE, correlated_kv
 
 runner = CliRunner()
 

@@ -262,8 +262,10 @@ class TierConfig(_Strict):
     name: str | None = Field(default=None, min_length=1)
     capacity: ByteSize | None = None
     eviction: str = "lru"
-    codec: str = Field(default="raw", min_length=1)
-    codec_options: dict[str, Any] = Field(default_factory=dict)
+    # One codec, or a chain applied in order (``[bytesplit, aesgcm]``): then ``codec_options``
+    # is a list with one mapping per codec (or left out). See gateway/codec_chain.py.
+    codec: str | list[str] = Field(default="raw", min_length=1)
+    codec_options: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict)
     timeout: float = Field(default=5.0, gt=0)
     retry: RetryConfig = Field(default_factory=RetryConfig)
@@ -284,6 +286,37 @@ class TierConfig(_Strict):
                 "or redis://host:6379/0"
             )
         return url
+
+    @field_validator("codec")
+    @classmethod
+    def _check_codec(cls, value: str | list[str]) -> str | list[str]:
+        names = [value] if isinstance(value, str) else value
+        for name in names:
+            if not name or "+" in name:
+                raise ValueError(
+                    f"codec name {name!r}: a chain is a list ([bytesplit, aesgcm]), not one name"
+                )
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    @model_validator(mode="after")
+    def _codec_options_match(self) -> TierConfig:
+        options = self.codec_options
+        if isinstance(self.codec, str):
+            if isinstance(options, list):
+                if len(options) != 1:
+                    raise ValueError(
+                        f"codec_options: {len(options)} mappings for one codec {self.codec!r}"
+                    )
+                self.codec_options = options[0]  # [zstd] with [{...}] is zstd with {...}
+        elif isinstance(options, dict):
+            if options:
+                raise ValueError("codec_options of a codec chain: a list, one mapping per codec")
+        elif len(options) != len(self.codec):
+            raise ValueError(
+                f"codec_options: {len(options)} mappings for the {len(self.codec)} codecs "
+                f"{self.codec}"
+            )
+        return self
 
     @field_validator("eviction")
     @classmethod

@@ -72,6 +72,15 @@ class CorruptObject(GatewayError):
     kind = "corrupt"
 
 
+class KeyUnavailable(CorruptObject):
+    """An encrypted object this process holds no key for (a key id it does not know, or no keys
+    at all). A miss, counted as corrupt like any object that cannot be verified, but left in
+    the backend: a reader that holds the key (another store, or this one after a rotation is
+    rolled out) can still read it, so one misconfigured reader cannot wipe a shared cache."""
+
+    kind = "corrupt"
+
+
 class CapacityError(GatewayError):
     """The object does not fit: larger than allowed, or the backend is full."""
 

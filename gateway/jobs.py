@@ -59,10 +59,13 @@ class WriteJob:
     slab: Slab  # one reference owned by the job until it finishes
     expires_at: float | None = None  # wall-clock seconds, fixed at put time
     checksum: int | None = None  # xxh3_64 of the slab's bytes, when the put computed it
+    position: int | None = None  # the chunk's start position (``Store.put(position=)``)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def data(self) -> ObjectData:
-        return ObjectData(self.meta, self.slab.view(), checksum=self.checksum)
+        return ObjectData(
+            self.meta, self.slab.view(), checksum=self.checksum, position=self.position
+        )
 
 
 class Hold:

@@ -53,7 +53,7 @@ def _is_torch_tensor(obj: object) -> bool:
 class ObjectData:
     """A user object seen as metadata plus bytes. Cheap to build: nothing is copied here."""
 
-    __slots__ = ("_array", "_host", "checksum", "meta", "tensor")
+    __slots__ = ("_array", "_host", "checksum", "meta", "position", "tensor")
 
     def __init__(
         self,
@@ -63,6 +63,7 @@ class ObjectData:
         *,
         array: np.ndarray[Any, Any] | None = None,
         checksum: int | None = None,
+        position: int | None = None,
     ) -> None:
         self.meta = meta
         self._host = host
@@ -71,6 +72,9 @@ class ObjectData:
         # xxh3_64 of the raw bytes when already known (hashed while the store copied them):
         # the payload checksum of a raw frame, so that no tier hashes the object again.
         self.checksum = checksum
+        # Where the object (a KV chunk) starts in its token sequence, when the caller said
+        # (``Store.put(..., position=)``): codecs that undo RoPE on keys need it. Not stored.
+        self.position = position
 
     @property
     def host_ready(self) -> bool:

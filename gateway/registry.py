@@ -10,14 +10,16 @@ extras so plugins get the right hint too.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.codec import Codec
+from gateway.codec_chain import SEPARATOR, build_chain, stage_names
 from gateway.connector import Connector
-from gateway.errors import MissingDependency, NotFound
+from gateway.errors import ConfigError, MissingDependency, NotFound
 
 CONNECTOR_GROUP = "kvgate.connectors"
 CODEC_GROUP = "kvgate.serde"
@@ -89,8 +91,36 @@ def connect(url: str, **options: Any) -> Connector:
 
 
 def load_codec(name: str, **options: Any) -> Codec:
+    """The codec ``name`` built with ``options``; a chain's frame name (``bytesplit+aesgcm``)
+    builds the chain of its stages with their defaults (what a reader of any frame needs)."""
+    if SEPARATOR in name:
+        if options:
+            raise ConfigError(
+                f"codec chain {name!r}: give each stage's options in a list (build_codec)"
+            )
+        return build_chain([load_codec(stage) for stage in stage_names(name)])
     codec: Codec = codec_class(name)(**options)
     return codec
+
+
+def build_codec(
+    names: str | Sequence[str], options: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+) -> Codec:
+    """A tier's codec from its config: one name and its options, or a chain (a list of names
+    and a list of as many option mappings, or one empty mapping: no options anywhere)."""
+    if isinstance(names, str):
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"codec {names!r}: codec_options must be a mapping")
+        return load_codec(names, **options)
+    if isinstance(options, Mapping):
+        if options:
+            raise ConfigError("a codec chain's codec_options must be a list, one per codec")
+        options = [{} for _ in names]
+    if len(options) != len(names):
+        raise ConfigError(
+            f"codec chain {list(names)}: {len(options)} codec_options for {len(names)} codecs"
+        )
+    return build_chain([load_codec(n, **o) for n, o in zip(names, options, strict=True)])
 
 
 def _status(group: str, kind: str) -> list[PluginStatus]:

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from gateway.config import StoreConfig, TierConfig, load_config
 from gateway.connector import Connector, writing_durably
-from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
+from gateway.errors import CapacityError, ConfigError, GatewayError, InvalidObject, Unavailable
 from gateway.inflight import InFlight
 from gateway.jobs import Hold, TierWriter, WriteJob
 from gateway.keys import Key, normalize_key
@@ -38,7 +38,7 @@ from gateway.memory import BufferPool, Slab
 from gateway.object_meta import check_ttl
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
-from gateway.registry import connect, load_codec, scheme_of
+from gateway.registry import build_codec, connect, scheme_of
 from gateway.tiers import ConnectorTier, Found, MemoryTier, offload
 from gateway.types import MemoryFormat, TierStats
 
@@ -186,7 +186,7 @@ class Store:
             concurrency=tcfg.concurrency,
             stats=stats,
         )
-        codec = load_codec(tcfg.codec, **tcfg.codec_options)
+        codec = build_codec(tcfg.codec, tcfg.codec_options)
         return ConnectorTier(name, stacked, codec, stats, ttl=tcfg.ttl)
 
     async def flush(self) -> None:
@@ -300,8 +300,13 @@ class Store:
         fmt: int = MemoryFormat.UNDEFINED,
         ttl: float | None = None,
         durable: bool = False,
+        position: int | None = None,
     ) -> None:
         """Store ``obj`` under ``key`` in every tier.
+
+        ``position``: where the object (a KV chunk) starts in its token sequence, when known.
+        It is not stored as such; codecs that use it record what they need in their frames
+        (``kvtc`` undoes RoPE on keys with it, and keeps the sequence's first tokens exact).
 
         Write-back (the default): returns once the first tier holds the object; the lower tiers
         are written from bounded queues afterwards (``flush`` waits for them). Durable
@@ -315,6 +320,7 @@ class Store:
         k = normalize_key(key)
         durable = durable or self.config.write_policy == "through"
         data = to_object_data(obj, fmt)
+        data.position = _check_position(position)
         ttl = check_ttl(ttl)
         nbytes = data.meta.nbytes
         if nbytes > self.config.max_object_size:
@@ -340,7 +346,9 @@ class Store:
                     l1_expires = _expiry(ttl, self._l1_ttl)
                     self.l1.insert(k, data.meta, slab.acquire(), expires_at=l1_expires)
                 if durable:  # written from the slab, which the put holds until it returns
-                    staged = ObjectData(data.meta, slab.view(), checksum=data.checksum)
+                    staged = ObjectData(
+                        data.meta, slab.view(), checksum=data.checksum, position=data.position
+                    )
                     await self._write_tiers(k, staged, expires_at, durable=True)
                 else:
                     await self._queue_writes(k, data, slab, expires_at)
@@ -351,7 +359,7 @@ class Store:
         self, key: str, data: ObjectData, slab: Slab, expires_at: float | None
     ) -> None:
         jobs = [
-            WriteJob(key, data.meta, slab.acquire(), expires_at, data.checksum)
+            WriteJob(key, data.meta, slab.acquire(), expires_at, data.checksum, data.position)
             for _ in self.writers
         ]
         for writer, job in zip(self.writers, jobs, strict=True):
@@ -624,6 +632,14 @@ class Store:
 
     def tier_names(self) -> list[str]:
         return [*([self.l1.name] if self.l1 else []), *(t.name for t in self.tiers)]
+
+
+def _check_position(position: int | None) -> int | None:
+    if position is None:
+        return None
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise InvalidObject(f"position must be a non-negative int, got {position!r}")
+    return position
 
 
 def _expiry(ttl: float | None, default: float | None) -> float | None:

@@ -2,7 +2,8 @@
 
 A ``ConnectorTier`` is a connector wrapped in its layer stack plus a codec: it turns objects
 into frames on write and verified frames back into objects on read. Corrupt or expired frames
-are misses (counted, and deleted from the backend); backend failures propagate to the store,
+are misses (counted, and deleted from the backend; an encrypted one this tier holds no key
+for is counted but left for a reader that has it); backend failures propagate to the store,
 which counts them and treats them as misses.
 """
 
@@ -18,13 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gateway.codec import Codec, frame_head
+from gateway.codec import Codec, decode_payload, encode_payload, frame_head
+from gateway.codec_chain import ChainCodec, with_known_stages
 from gateway.connector import PLACEMENT, Connector, address_of, as_parts, limiting_reads
 from gateway.errors import (
     CapacityError,
+    ConfigError,
     CorruptObject,
     GatewayError,
     InvalidObject,
+    KeyUnavailable,
     MissingDependency,
     Unsupported,
 )
@@ -35,6 +39,7 @@ from gateway.object_meta import meta_of_frame
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object
 from gateway.policies import EvictionPolicy
 from gateway.registry import load_codec
+from gateway.side_objects import REFRESH_WRITES, MissingSideObject, SideObjectUnavailable
 from gateway.thread_jobs import in_thread
 from gateway.types import Buffer, TierStats
 
@@ -65,6 +70,7 @@ os.register_at_fork(after_in_child=_new_threads_after_fork)
 # Codecs other than these may compile kernels on first use (numba takes seconds): their work
 # always runs in a thread, whatever the object's size, so the event loop never waits for it.
 INLINE_CODECS = frozenset({"raw", "zstd", "lz4"})
+MAX_CACHED_CODECS = 64
 
 
 async def offload(nbytes: int, fn: Callable[..., T], *args: Any, device: bool = False) -> T:
@@ -242,12 +248,27 @@ class ConnectorTier:
         self.stats = stats
         self.ttl = ttl
         self._codecs: dict[str, Codec] = {codec.name: codec}
+        # Side objects this tier wrote, and how many frames it has written since each.
+        self._side_written: dict[str, int] = {}
+        # The configured instances by name, a chain's stages too: a frame written by another
+        # chain (or by one of these codecs alone) decodes with them, so an aesgcm stage uses
+        # this tier's keys. Other codecs are built with their defaults.
+        self._configured: dict[str, Codec] = {codec.name: codec}
+        if isinstance(codec, ChainCodec):
+            self._configured.update((s.name, s) for s in codec.stages)
 
     def _codec_for(self, header: FrameHeader) -> Codec:
         # A store reads every object whatever codec wrote it: the frame names the codec.
         codec = self._codecs.get(header.codec)
         if codec is None:
-            codec = self._codecs[header.codec] = load_codec(header.codec)
+            try:
+                codec = with_known_stages(header.codec, self._configured, load_codec)
+            except ConfigError as exc:
+                # Defaults fail only for a codec that needs keys this tier was not given
+                # (aesgcm): nothing here can read the frame, a reader with keys can.
+                raise KeyUnavailable(f"cannot build codec {header.codec!r} here: {exc}") from None
+            if len(self._codecs) < MAX_CACHED_CODECS:  # frame names are backend data: bounded
+                self._codecs[header.codec] = codec
         return codec
 
     async def write(self, key: str, obj: ObjectData, ttl: float | None = None) -> None:
@@ -263,11 +284,14 @@ class ConnectorTier:
             checksum = obj.checksum  # the payload is the object's bytes
         else:
             slow = self.codec.name not in INLINE_CODECS or not obj.on_host
-            payload, params = await offload(meta.nbytes, self.codec.encode, obj, device=slow)
+            payload, params = await offload(
+                meta.nbytes, encode_payload, self.codec, obj, key, device=slow
+            )
         parts = as_parts(payload)
         size = sum(p.nbytes for p in parts)
         if limit is not None and size > limit:
             raise CapacityError(f"{size} bytes exceed {self.name}'s object limit of {limit}")
+        await self._write_side_objects()
         head, _ = await offload(
             0 if checksum is not None else size,  # known checksum: nothing left to hash
             frame_head,
@@ -281,6 +305,25 @@ class ConnectorTier:
         )
         await self.connector.put(key, [head, *parts])
 
+    async def _write_side_objects(self) -> None:
+        """Put the codec's side objects before the first frame that needs them (and again
+        every ``REFRESH_WRITES`` frames: a capacity-bound backend may have evicted them)."""
+        codecs = [self.codec, *(self.codec.stages if isinstance(self.codec, ChainCodec) else [])]
+        wanted: list[tuple[str, bytes]] = [
+            item for c in codecs for item in getattr(c, "side_objects", [])
+        ]
+        if not wanted:
+            return
+        for key, data in wanted:
+            since = self._side_written.get(key)
+            if since is not None and since < REFRESH_WRITES:
+                self._side_written[key] = since + 1
+                continue
+            meta = ObjectMeta("bytes", "uint8", (len(data),), len(data))
+            head, _ = await offload(len(data), frame_head, "raw", meta, [memoryview(data)], {})
+            await self.connector.put(key, [head, memoryview(data)])
+            self._side_written[key] = 0
+
     async def read(
         self, key: str, alloc: Callable[[int], Slab | None], max_size: int
     ) -> Found | None:
@@ -293,8 +336,15 @@ class ConnectorTier:
         try:
             with limiting_reads(frame_limit(max_size)):
                 return await self._read(key, alloc, max_size)
+        except SideObjectUnavailable as exc:  # the frame is sound: kept for who has it
+            self.stats.corrupt += 1
+            log.warning("tier %s: object under a key served as a miss: %s", self.name, exc)
+            return None
         except CorruptObject as exc:
             self.stats.corrupt += 1
+            if isinstance(exc, KeyUnavailable):
+                log.warning("tier %s: an object this tier holds no key for: %s", self.name, exc)
+                return None
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
             await self._discard(key)
             return None
@@ -337,7 +387,12 @@ class ConnectorTier:
             out = out_slab.view() if out_slab is not None else None
             try:
                 slow = codec.name not in INLINE_CODECS
-                raw = await offload(header.raw_len, codec.decode, payload, header, out, device=slow)
+                decode = functools.partial(decode_payload, codec, payload, header, out, key)
+                try:
+                    raw = await offload(header.raw_len, decode, device=slow)
+                except MissingSideObject as missing:  # fetched from this tier, then again
+                    await self._install_side_object(missing, max_size)
+                    raw = await offload(header.raw_len, decode, device=slow)
             except BaseException:
                 if out_slab is not None:
                     out_slab.release()
@@ -352,6 +407,22 @@ class ConnectorTier:
         finally:
             for slab in alloc_frame.slabs:
                 slab.release()
+
+    async def _install_side_object(self, missing: MissingSideObject, max_size: int) -> None:
+        """Read the side object a frame names from this tier and hand it to the codec;
+        ``SideObjectUnavailable`` when it is not there or its bytes are not the named ones."""
+        try:
+            found = await self._read(missing.key, lambda _n: None, max_size)
+        except CorruptObject as exc:
+            raise SideObjectUnavailable(f"{missing}; {missing.key} is corrupt: {exc}") from None
+        if found is None or found.meta.kind != "bytes":
+            raise SideObjectUnavailable(f"{missing}; {missing.key} is not in this tier")
+        data = found.to_object()
+        assert isinstance(data, bytes)
+        try:
+            await offload(len(data), missing.install, data, device=True)
+        except CorruptObject as exc:
+            raise SideObjectUnavailable(f"{missing.key}: {exc}") from None
 
     async def _discard(self, key: str) -> None:
         try:

@@ -7,6 +7,10 @@ third-party module) skips. Lossy codecs (``lossless = False``) must stay within 
 ``documented_rel_error`` (relative Frobenius error of each plane, keys and values, on
 ``kv_like`` data) and must store anything they cannot quantize (bytes, integer and fp8
 tensors) exactly.
+
+Codec chains (``CHAINS``: a lossless and a lossy codec followed by ``aesgcm``, and ``aesgcm``
+followed by a compressor) run the same suite. Keyed codecs (``aesgcm``) get a test key file and
+every frame is bound to ``OBJECT_KEY``, as a tier binds it (``keyed_codecs.py``).
 """
 
 from __future__ import annotations
@@ -18,18 +22,21 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from keyed_codecs import OBJECT_KEY, build, reader_codec, tier_codec
 
 from gateway import Store
-from gateway.codec import Codec, encode_frame
+from gateway.codec import Codec, decode_payload, encode_frame
+from gateway.codec_chain import stage_names
 from gateway.errors import ConfigError, CorruptObject, MissingDependency
 from gateway.frame import FrameInfo, decode_frame
 from gateway.objects import ObjectData, to_object, to_object_data
 from gateway.registry import codec_class, codec_status, load_codec
-from gateway.types import MemoryFormat, ParamValue
+from gateway.types import Buffer, MemoryFormat, ParamValue
 from serde.layout import layout_of
 
 REGISTERED = [s.name for s in codec_status()]
 CODECS = [s.name for s in codec_status() if s.usable]  # for tests of other helpers' files
+CHAINS = ["bytesplit+aesgcm", "fp8+aesgcm", "aesgcm+zstd"]
 OWN_PACKAGES = ("gateway", "serde", "gpu", "connectors")
 FLOATS = [torch.float16, torch.bfloat16, torch.float32]
 DTYPES = [
@@ -77,39 +84,47 @@ def _missing_module(exc: BaseException) -> str | None:
 
 
 def codec_or_skip(name: str, **options: Any) -> Codec:
-    """The codec, or a failure if it is registered but broken; a skip if an extra is missing."""
-    try:
-        codec_class(name)
-    except MissingDependency as exc:
-        missing = _missing_module(exc)
-        if missing is not None and missing.partition(".")[0] in OWN_PACKAGES:
-            pytest.fail(f"codec {name!r} is registered but {missing} does not exist: {exc}")
-        pytest.skip(str(exc))
-    except Exception as exc:
-        pytest.fail(f"codec {name!r} is registered but does not import: {exc!r}")
-    return load_codec(name, **options)
+    """The codec, or a failure if it is registered but broken; a skip if an extra is missing.
+
+    ``name`` may be a chain (``bytesplit+aesgcm``); keyed stages get the test key file."""
+    for stage in stage_names(name):
+        try:
+            codec_class(stage)
+        except MissingDependency as exc:
+            missing = _missing_module(exc)
+            if missing is not None and missing.partition(".")[0] in OWN_PACKAGES:
+                pytest.fail(f"codec {stage!r} is registered but {missing} does not exist: {exc}")
+            pytest.skip(str(exc))
+        except Exception as exc:
+            pytest.fail(f"codec {stage!r} is registered but does not import: {exc!r}")
+    return build(name, **options)
 
 
-@pytest.fixture(params=REGISTERED)
+@pytest.fixture(params=REGISTERED + CHAINS)
 def name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 def encode(codec: Codec, data: ObjectData) -> tuple[bytes, FrameInfo]:
     """The codec's payload (joined) and the frame header a tier would write with it."""
-    _, parts, header = encode_frame(codec, data)
+    _, parts, header = encode_frame(codec, data, OBJECT_KEY)
     return b"".join(bytes(p) for p in parts), header
+
+
+def decode(codec: Codec, body: bytes, header: FrameInfo, out: memoryview | None) -> Buffer:
+    """``codec.decode``, given the key the frame was bound to (keyed codecs need it)."""
+    return decode_payload(codec, memoryview(body), header, out, OBJECT_KEY)
 
 
 def round_trip(name: str | Codec, data: ObjectData, **options: Any) -> tuple[object, int]:
     """Through the whole frame, as a tier does: the decoded object and the blob size."""
-    codec = load_codec(name, **options) if isinstance(name, str) else name
-    head, parts, _ = encode_frame(codec, data)
+    codec = build(name, **options) if isinstance(name, str) else name
+    head, parts, _ = encode_frame(codec, data, OBJECT_KEY)
     meta = data.meta
     blob = head + b"".join(bytes(p) for p in parts)
-    header, body = decode_frame(blob)
+    header, body = decode_frame(blob, key=OBJECT_KEY)
     out = bytearray(header.raw_len)
-    raw = codec.decode(body, header, memoryview(out))
+    raw = decode_payload(codec, body, header, memoryview(out), OBJECT_KEY)
     assert memoryview(raw).nbytes == header.raw_len
     return to_object(meta, raw), len(blob)
 
@@ -152,7 +167,7 @@ def test_registered_codec_is_usable_and_well_formed(name: str) -> None:
         assert isinstance(bound, float), bound
         assert 0 < bound < 1, bound
     with pytest.raises(ConfigError, match="nope"):
-        load_codec(name, nope=1)
+        build(name, nope=1)
 
 
 # -- floating-point KV data ------------------------------------------------------------
@@ -274,8 +289,8 @@ def test_decode_without_out_buffer(name: str, obj: object) -> None:
     codec = codec_or_skip(name)
     body, header = encode(codec, to_object_data(obj, fmt=F.KV_2LTD))
     into = bytearray(header.raw_len)
-    with_out = codec.decode(memoryview(body), header, memoryview(into))
-    without = codec.decode(memoryview(body), header, None)
+    with_out = decode(codec, body, header, memoryview(into))
+    without = decode(codec, body, header, None)
     assert memoryview(without).nbytes == header.raw_len
     assert bytes(memoryview(without)) == bytes(memoryview(with_out))
 
@@ -296,7 +311,7 @@ def test_truncated_garbage_or_trailing_payload_is_rejected(name: str, obj: objec
     }
     for what, bad in bad_payloads.items():
         try:
-            codec.decode(memoryview(bad), header, memoryview(bytearray(header.raw_len)))
+            decode(codec, bad, header, memoryview(bytearray(header.raw_len)))
         except CorruptObject:
             continue
         pytest.fail(f"a {what} payload was accepted")
@@ -305,7 +320,7 @@ def test_truncated_garbage_or_trailing_payload_is_rejected(name: str, obj: objec
 def _decodes_safely(codec: Codec, body: bytes, header: FrameInfo) -> None:
     """A hostile payload or header: CorruptObject, or exactly ``raw_len`` bytes back."""
     try:
-        raw = codec.decode(memoryview(body), header, memoryview(bytearray(header.raw_len)))
+        raw = decode(codec, body, header, memoryview(bytearray(header.raw_len)))
     except CorruptObject:
         return
     assert memoryview(raw).nbytes == header.raw_len
@@ -360,8 +375,8 @@ def _replace(header: FrameInfo, **changes: Any) -> FrameInfo:
 # -- through a Store ---------------------------------------------------------------------
 
 
-def _store_config(root: Path, codec: str) -> dict[str, Any]:
-    return {"tiers": [{"url": f"file://{root}", "codec": codec}], "staging": 8 << 20}
+def _store_config(root: Path, codec: dict[str, Any]) -> dict[str, Any]:
+    return {"tiers": [{"url": f"file://{root}", **codec}], "staging": 8 << 20}
 
 
 STORED: list[tuple[str, object, int]] = [
@@ -382,7 +397,7 @@ def _check_stored(writer: str, got: object, obj: object, fmt: int) -> None:
     out = got if isinstance(got, torch.Tensor) else torch.from_numpy(np.array(got))
     assert out.dtype == src.dtype
     assert out.shape == src.shape
-    codec = load_codec(writer)
+    codec = build(writer)
     if codec.lossless or src.dtype not in FLOATS:
         assert torch.equal(out.view(torch.uint8), src.view(torch.uint8))
     else:
@@ -394,23 +409,24 @@ async def test_store_reads_what_another_codec_wrote(name: str, tmp_path: Path) -
     """A tier configured with codec A writes; a Store whose tier uses codec B reads it back:
     the frame names the codec, so a store reads every object whatever codec wrote it."""
     codec_or_skip(name)
-    reader = "zstd" if name == "raw" else "raw"
     root = tmp_path / "disk"
-    async with Store(_store_config(root, name)) as store:
+    async with Store(_store_config(root, tier_codec(name))) as store:
         for key, obj, fmt in STORED:
             await store.put(key, obj, fmt=fmt)
-    async with Store(_store_config(root, reader)) as store:
+    async with Store(_store_config(root, reader_codec(name))) as store:
         for key, obj, fmt in STORED:
             _check_stored(name, await store.get(key), obj, fmt)
 
 
 async def test_one_store_reads_objects_of_every_codec(tmp_path: Path) -> None:
     root = tmp_path / "disk"
-    usable = [n for n in REGISTERED if n in CODECS]
+    usable = [n for n in REGISTERED + CHAINS if all(s in CODECS for s in stage_names(n))]
     for writer in usable:
-        async with Store(_store_config(root, writer)) as store:
+        async with Store(_store_config(root, tier_codec(writer))) as store:
             await store.put(f"{writer}/kv", STORED[0][1], fmt=STORED[0][2])
-    async with Store(_store_config(root, "zstd")) as store:
+    # zstd with aesgcm's keys: reads every frame (a configured stage decrypts them all)
+    reader = reader_codec("aesgcm") if "aesgcm" in CODECS else {"codec": "zstd"}
+    async with Store(_store_config(root, reader)) as store:
         for writer in usable:
             _check_stored(writer, await store.get(f"{writer}/kv"), STORED[0][1], STORED[0][2])
 

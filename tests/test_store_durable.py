@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
+from servers.asgi import serve
 from servers.gated import Gated
 from servers.redis import RedisNode
-from test_service import serve
 
 from connectors.memory import MemoryConnector
 from connectors.redis import RedisConnector

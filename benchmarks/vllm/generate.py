@@ -75,6 +75,7 @@ def main() -> None:
                 "cached_tokens": out.num_cached_tokens or 0,
                 "seconds": time.perf_counter() - began,
                 "text": out.outputs[0].text,
+                "token_ids": list(out.outputs[0].token_ids),
             }
         )
     print("RESULT " + json.dumps({"startup": startup, "requests": results}), flush=True)

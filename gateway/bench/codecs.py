@@ -3,6 +3,7 @@
 Each operating point (a codec and its options) encodes and decodes a sample chunk through the
 same path a tier uses: ``codec.encode`` -> ``frame.encode_header`` (payload checksum) ->
 ``frame.decode_frame`` (checksum verified) -> ``codec.decode`` into a preallocated buffer ->
+(keyed codecs such as aesgcm through ``encode_payload``/``decode_payload``, with a key) ->
 ``objects.to_object``. So the figures are what a store would see, header and checksum included.
 
 Per point it reports the ratio (input bytes / stored frame bytes: "vs fp16" for an fp16 chunk),
@@ -22,10 +23,14 @@ codec must not hide the others. torch is imported inside the functions, as every
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import json
+import os
+import secrets
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gateway.codec import Codec, encode_frame
+from gateway.codec import Codec, decode_payload, encode_frame
 from gateway.errors import CorruptObject, MissingDependency
 from gateway.frame import decode_frame
 from gateway.objects import ObjectData, ObjectMeta, to_object, to_object_data
@@ -289,20 +294,43 @@ def memcpy_gbps(t: torch.Tensor, repeat: int) -> float:
     return src.nbytes / statistics.median(times) / 1e9
 
 
+def _with_bench_key(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A keyed codec's options, with a throwaway key file when they name no key source: the
+    bench measures the cipher, and a random key is as fast as any."""
+    if "key_file" in options or "key_env" in options:
+        return options
+    if not getattr(codec_class(name), "keyed", False):
+        return options
+    return {**options, "key_file": _bench_key_file()}
+
+
+@functools.cache
+def _bench_key_file() -> str:
+    fd, path = tempfile.mkstemp(prefix="kvgate-bench-key-")  # mode 0600
+    with os.fdopen(fd, "w") as file:
+        file.write(secrets.token_hex(32) + "\n")
+    atexit.register(os.unlink, path)
+    return path
+
+
 def _torch() -> Any:
     import torch
 
     return torch
 
 
+# Frames are bound to a key as a tier binds them: a keyed codec (aesgcm) needs one.
+BENCH_KEY = "kvgate-bench/chunk"
+
+
 def _encode(codec: Codec, obj: ObjectData) -> tuple[bytes, list[memoryview]]:
-    head, parts, _ = encode_frame(codec, obj)
+    head, parts, _ = encode_frame(codec, obj, BENCH_KEY)
     return head, parts
 
 
 def _decode(codec: Codec, blob: bytes, out: memoryview) -> object:
-    header, payload = decode_frame(blob)
-    raw = codec.decode(payload, header, out)
+    header, payload = decode_frame(blob, key=BENCH_KEY)
+    raw = decode_payload(codec, payload, header, out, BENCH_KEY)
     if memoryview(raw).nbytes != header.raw_len:
         raise CorruptObject(f"codec {header.codec} returned the wrong length")
     meta = ObjectMeta(header.kind, header.dtype, tuple(header.shape), header.raw_len, header.fmt)
@@ -326,7 +354,7 @@ def measure(
     chunks = [c.contiguous() for c in sample.chunks()]
     row.input_bytes = sum(c.numel() * c.element_size() for c in chunks)
     try:
-        codec = load_codec(point.codec, **point.options)
+        codec = load_codec(point.codec, **_with_bench_key(point.codec, point.options))
         row.lossless = bool(codec.lossless)
         # A small slice of the same dtype first: compiles numba kernels outside the timings.
         warm = chunks[0][:, :1, : min(chunks[0].shape[2], 64)].contiguous()

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.cli.bench import register as register_bench
+from gateway.cli.calibrate import register as register_calibrate
 from gateway.cli.objects import register as register_object_commands
 from gateway.cli.serve import register as register_serve
 from gateway.registry import codec_status, connector_status
@@ -54,6 +55,7 @@ def _status_dict(s: object) -> dict[str, object]:
 register_bench(app)
 register_serve(app)
 register_object_commands(app)
+register_calibrate(app)
 
 
 def main() -> None:

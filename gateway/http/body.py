@@ -19,7 +19,8 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from gateway.codec import Codec
+from gateway.codec import Codec, decode_payload
+from gateway.codec_chain import stage_names
 from gateway.errors import (
     CapacityError,
     ConfigError,
@@ -44,7 +45,7 @@ from gateway.object_meta import (
 )
 from gateway.object_meta import ObjectMeta as Meta
 from gateway.objects import HAS_TORCH, to_object
-from gateway.registry import load_codec
+from gateway.registry import codec_class, load_codec
 from gateway.tiers import INLINE_CODECS, offload
 from gateway.types import BYTE_KINDS, OBJECT_KINDS, ObjectKind
 
@@ -269,6 +270,7 @@ class Codecs:
         if not isinstance(options, dict):
             raise BadRequest(f"bad {H_CODEC_OPTIONS} header: a JSON object")
         try:
+            _refuse_keyed(name)
             codec = load_codec(name, **options)
         except (NotFound, ConfigError) as exc:  # the client named it in a header
             raise BadRequest(str(exc)) from None
@@ -280,6 +282,19 @@ class Codecs:
         return codec
 
 
+def _refuse_keyed(name: str) -> None:
+    """A keyed codec (``aesgcm``) is never built for a client: its options would make the
+    server read a key file or variable of the client's choosing, and a frame it encrypted
+    must reach the backend as it is, not decrypted here. Such a frame PUT by a
+    ``gateway://`` tier is refused, and the tier then stores it as opaque bytes."""
+    for stage in stage_names(name):
+        if getattr(codec_class(stage), "keyed", False):
+            raise ConfigError(
+                f"codec {stage!r} holds keys: this gateway neither encrypts nor decrypts for "
+                "clients (encrypt in the client's own tier; its frames are stored as they are)"
+            )
+
+
 def _decode_frame_object(
     blob: memoryview, codecs: Codecs, max_size: int, key: str
 ) -> tuple[object, FrameHeader]:
@@ -289,7 +304,7 @@ def _decode_frame_object(
             raise CapacityError(f"frame claims {header.raw_len} bytes, over {max_size}")
         meta = meta_of_frame(header)
         codec = codecs.get(header.codec)
-        raw = codec.decode(payload, header, None)
+        raw = decode_payload(codec, payload, header, None, key)
         if memoryview(raw).nbytes != header.raw_len:
             raise CorruptObject(f"codec {header.codec} returned the wrong length")
         return to_object(meta, raw), header

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-import uvicorn
-from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+from servers.asgi import serve
 from servers.proc import free_port
 
 from gateway.codec import encode_frame
@@ -33,25 +32,6 @@ pytestmark = pytest.mark.both_loops
 
 FRAME = "application/vnd.kvgate.frame"
 LIMIT = 8 << 20
-
-
-async def serve(app: FastAPI) -> AsyncIterator[str]:
-    """Run ``app`` under uvicorn on a free loopback port; yields its base URL."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    for _ in range(500):  # uvicorn has no "started" event to await: poll, bounded (5 s)
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 def store_config(tmp_path: Path) -> dict[str, Any]:

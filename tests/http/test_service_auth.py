@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from servers.asgi import serve
 from servers.proc import free_port
-from test_service import serve
 from typer.testing import CliRunner
 
 from gateway.cli.app import app as cli_app

@@ -15,7 +15,16 @@ LAYOUTS = {
     "cpu": lambda: (BLOCKS, 3, 16, 32),  # [blocks, kv_heads, block_size, 2 * head_dim]
     "cuda": lambda: (2, BLOCKS, 16, 3, 16),  # [2, blocks, block_size, kv_heads, head_dim]
 }
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
 
 
 def caches(shape: tuple[int, ...], device: str, seed: int) -> list[torch.Tensor]:

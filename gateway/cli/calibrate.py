@@ -1,0 +1,101 @@
+"""``kvgate calibrate``: fit a ``kvtc`` calibration and write it (and optionally store it).
+
+The calibration file is what the ``kvtc`` codec's ``calibration`` option names; ``--put``
+also writes it into a store's tiers under its reserved key, so that readers can fetch it
+(a writer's tiers do this themselves before their first frame). Prints the SHA-256 that
+frames will name and the size of the stored bases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from gateway.cli.calibrate_sources import (
+    SAMPLES,
+    from_file,
+    from_sample,
+    from_store,
+    put_calibration,
+)
+
+err = Console(stderr=True)
+
+
+def calibrate(
+    out: Annotated[Path, typer.Argument(help="where to write the calibration")],
+    sample: Annotated[
+        str | None, typer.Option(help=f"a bench sample: {', '.join(SAMPLES)}")
+    ] = None,
+    chunks_file: Annotated[
+        Path | None, typer.Option("--chunks", help="a safetensors file of [2, L, T, D] chunks")
+    ] = None,
+    store: Annotated[
+        str | None, typer.Option(help="a store config whose chunks to use (with --prefix)")
+    ] = None,
+    prefix: Annotated[str, typer.Option(help="key prefix of the store's chunks")] = "",
+    count: Annotated[int, typer.Option(help="chunks to use (sample, store)")] = 8,
+    tokens: Annotated[int, typer.Option(help="tokens per sample chunk")] = 256,
+    group: Annotated[int, typer.Option(help="layers per PCA group")] = 1,
+    rel_error: Annotated[float, typer.Option(help="target relative error per plane")] = 0.05,
+    rope_theta: Annotated[float, typer.Option(help="RoPE base (with --head-dim)")] = 0.0,
+    head_dim: Annotated[int, typer.Option(help="head dimension: undo RoPE on keys")] = 0,
+    sinks: Annotated[int, typer.Option(help="leading sequence tokens kept exact")] = 4,
+    max_basis_mb: Annotated[float, typer.Option(help="cap on the stored bases")] = 0.0,
+    put: Annotated[
+        str | None, typer.Option(help="a store config to write the calibration into")
+    ] = None,
+) -> None:
+    """Fit a kvtc calibration (PCA per layer group, one step per plane, rANS tables)."""
+    from serde.kvtc import registry
+    from serde.kvtc.fit import fit
+    from serde.kvtc.rope import Rope
+
+    given = [s for s in (sample, chunks_file, store) if s is not None]
+    if len(given) != 1:
+        raise _fail("give exactly one of --sample, --chunks, --store")
+    if sample is not None:
+        chunks = from_sample(sample, count, tokens)
+    elif chunks_file is not None:
+        chunks = from_file(chunks_file)
+    else:
+        assert store is not None
+        chunks = asyncio.run(from_store(store, prefix, count))
+    if not chunks:
+        raise _fail("no [2, layers, tokens, channels] chunks found")
+    rope = Rope(head_dim, rope_theta) if head_dim else None
+    cap = int(max_basis_mb * (1 << 20)) or None
+    try:
+        loaded = fit(
+            chunks,
+            group=group,
+            rel_error=rel_error,
+            rope=rope,
+            sinks=sinks,
+            max_basis_bytes=cap,
+            note=f"kvgate calibrate: {len(chunks)} chunks",
+        )
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    out.write_bytes(loaded.data)
+    if put is not None:
+        asyncio.run(put_calibration(put, registry.key_of(loaded.sha256), loaded.data))
+    cal = loaded.cal
+    ranks = [sum(g.rank for g in p.groups) for p in cal.planes]
+    print(f"sha256 {loaded.sha256}")
+    print(f"file {out} ({len(loaded.data)} bytes)")
+    print(f"basis {cal.basis_bytes()} bytes, components per plane {ranks}")
+    print(f"steps {[round(p.step, 6) for p in cal.planes]}")
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(message, markup=False, highlight=False)
+    return typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate")(calibrate)

@@ -1,0 +1,88 @@
+"""Where ``kvgate calibrate`` gets its K/V chunks: a bench sample, a safetensors file, or the
+chunks already in a store. Each source yields ``serde.kvtc.fit.Chunk``s (``[2, layers,
+tokens, channels]`` plus the start position when it is known)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gateway.errors import MissingDependency
+
+if TYPE_CHECKING:
+    from serde.kvtc.fit import Chunk
+
+SAMPLES = ("synthetic", "minilm")
+
+
+def from_sample(name: str, chunks: int, tokens: int) -> list[Chunk]:
+    """``chunks`` consecutive chunks of ``tokens`` from one sequence of the named sample.
+
+    synthetic: the bench's synthetic chunk (its model is seed 0; the calibration sequence is
+    longer than the bench's chunk, so its tokens differ); minilm: MiniLM over the bench's text
+    (up to 512 tokens in all; MiniLM has no RoPE)."""
+    from gateway.bench.kv_samples import minilm_kv, synthetic_kv
+    from serde.kvtc.fit import Chunk
+
+    total = chunks * tokens
+    if name == "synthetic":
+        kv = synthetic_kv(tokens=total).kv
+    elif name == "minilm":
+        kv = minilm_kv(min(total, 512)).kv
+    else:
+        raise ValueError(f"unknown sample {name!r} (known: {', '.join(SAMPLES)})")
+    n = kv.shape[2]
+    return [Chunk(kv[:, :, a : a + tokens].clone(), a) for a in range(0, n - tokens + 1, tokens)]
+
+
+def from_file(path: Path) -> list[Chunk]:
+    """Every ``[2, layers, tokens, channels]`` tensor of a safetensors file; the file's
+    metadata may give start positions as ``{"positions": "{\\"name\\": 256, ...}"}``."""
+    try:
+        from safetensors import safe_open
+    except ModuleNotFoundError as exc:
+        raise MissingDependency("reading chunk files needs safetensors") from exc
+    from serde.kvtc.fit import Chunk
+
+    out = []
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        positions: dict[str, Any] = json.loads(meta.get("positions", "{}"))
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name)
+            if t.dim() == 4 and t.shape[0] == 2:
+                pos = positions.get(name)
+                out.append(Chunk(t, int(pos) if pos is not None else None))
+    return out
+
+
+async def from_store(config: str, prefix: str, limit: int) -> list[Chunk]:
+    """Up to ``limit`` KV_2LTD-shaped tensors stored under ``prefix`` (positions unknown)."""
+    import torch
+
+    from gateway.listing import list_keys
+    from gateway.store import Store
+    from serde.kvtc.fit import Chunk
+
+    out: list[Chunk] = []
+    async with Store(config) as store:
+        after: str | None = None
+        while len(out) < limit:
+            page, after = await list_keys(store, prefix, after=after)
+            for info in page:
+                obj = await store.get(info.key)
+                if isinstance(obj, torch.Tensor) and obj.dim() == 4 and obj.shape[0] == 2:
+                    out.append(Chunk(obj.clone(), None))
+                    if len(out) == limit:
+                        break
+            if after is None:
+                break
+    return out
+
+
+async def put_calibration(config: str, key: str, data: bytes) -> None:
+    from gateway.store import Store
+
+    async with Store(config) as store:
+        await store.put(key, data, durable=True)

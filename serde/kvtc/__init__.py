@@ -1,0 +1,1 @@
+"""``kvtc``: a calibrated transform codec (see ``serde.kvtc.codec``)."""

@@ -1,0 +1,63 @@
+"""``kvgate calibrate``: from a safetensors file of chunks (with positions) into a file and a
+store, which a reader that never saw the calibration then uses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import yaml
+from kvtc_data import ROPE, correlated_kv
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from gateway import Store
+from gateway.cli.app import app
+from gateway.types import MemoryFormat
+from serde.kvtc import registry
+
+runner = CliRunner()
+
+
+def test_calibrate_from_a_chunk_file_into_a_store(tmp_path: Path) -> None:
+    chunks = {f"c{i}": correlated_kv(64, 64 * i, seed=300 + i) for i in range(4)}
+    positions = json.dumps({name: 64 * i for i, name in enumerate(chunks)})
+    save_file(chunks, str(tmp_path / "chunks.safetensors"), metadata={"positions": positions})
+    store_cfg = tmp_path / "store.yaml"
+    store_cfg.write_text(yaml.safe_dump({"tiers": [{"url": f"file://{tmp_path / 'disk'}"}]}))
+    out = tmp_path / "model.kvtc"
+    args = ["calibrate", str(out), "--chunks", str(tmp_path / "chunks.safetensors")]
+    args += ["--group", "2", "--rel-error", "0.03", "--head-dim", str(ROPE.head_dim)]
+    args += ["--rope-theta", str(ROPE.theta), "--put", str(store_cfg)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    sha = result.output.split()[1]
+    assert out.is_file()
+    assert "basis" in result.output
+    # A writer with the file, a reader without anything: the reader fetches it by hash.
+    kv = correlated_kv(64, 4096, seed=399)
+    tier = {"url": f"file://{tmp_path / 'disk'}", "codec": "kvtc"}
+    writer = {"tiers": [{**tier, "codec_options": {"calibration": str(out)}}]}
+
+    async def write() -> None:
+        async with Store(writer) as store:
+            await store.put("chunk", kv, fmt=MemoryFormat.KV_2LTD, position=4096)
+
+    async def read() -> object:
+        async with Store({"tiers": [tier]}) as store:
+            assert await store.contains(registry.key_of(sha))
+            return await store.get("chunk")
+
+    asyncio.run(write())
+    registry.forget_all()
+    got = asyncio.run(read())
+    assert registry.lookup(sha) is not None
+    err = float((got.float() - kv.float()).norm() / kv.float().norm())  # type: ignore[union-attr]
+    assert err < 0.05
+
+
+def test_calibrate_needs_exactly_one_source(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["calibrate", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    assert "exactly one" in result.output

@@ -1,0 +1,163 @@
+"""``kvtc`` frames in a Store: the calibration travels in the tiers, by hash.
+
+A reader that never saw the calibration (registry cleared, or a new process) fetches it from
+the tier holding the frame; a missing or altered calibration makes the frame a counted miss,
+never a wrong tensor, and the frame is kept (it is sound)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kvtc_data import ROPE, calibration_chunks, correlated_kv
+
+from gateway import Store
+from gateway.types import MemoryFormat
+from serde.kvtc import registry
+from serde.kvtc.fit import fit
+
+F = MemoryFormat
+
+
+@pytest.fixture(scope="module")
+def cal_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    loaded = fit(calibration_chunks(4), group=2, rel_error=0.03, rope=ROPE)
+    path = tmp_path_factory.mktemp("cal") / "model.kvtc"
+    path.write_bytes(loaded.data)
+    return path, loaded.sha256
+
+
+def config(root: Path, codec: str = "kvtc", **options: Any) -> dict[str, Any]:
+    tier = {"url": f"file://{root}", "codec": codec, "codec_options": options}
+    return {"tiers": [tier], "staging": 16 << 20}
+
+
+def side_key(sha: str) -> str:
+    return registry.key_of(sha)
+
+
+def close_to(got: object, src: torch.Tensor) -> bool:
+    assert isinstance(got, torch.Tensor)
+    err = (got.float() - src.float()).norm() / src.float().norm()
+    return bool(got.shape == src.shape and err < 0.06)
+
+
+async def write(root: Path, cal: Path, chunks: dict[str, tuple[torch.Tensor, int]]) -> None:
+    async with Store(config(root, calibration=str(cal))) as store:
+        for key, (kv, pos) in chunks.items():
+            await store.put(key, kv, fmt=F.KV_2LTD, position=pos)
+
+
+CHUNKS = {f"chunk{i}": (correlated_kv(64, 64 * i, seed=50 + i), 64 * i) for i in range(3)}
+
+
+async def test_a_fresh_store_fetches_the_calibration(
+    tmp_path: Path, cal_file: tuple[Path, str]
+) -> None:
+    await write(tmp_path, cal_file[0], CHUNKS)
+    registry.forget_all()
+    async with Store(config(tmp_path, "raw")) as store:
+        for key, (kv, _) in CHUNKS.items():
+            assert close_to(await store.get(key), kv)
+        assert store.stats()["file"].corrupt == 0
+    assert registry.lookup(cal_file[1]) is not None  # kept for the next frames
+
+
+async def test_missing_calibration_is_a_counted_miss_and_keeps_the_frame(
+    tmp_path: Path, cal_file: tuple[Path, str]
+) -> None:
+    await write(tmp_path, cal_file[0], CHUNKS)
+    registry.forget_all()
+    async with Store(config(tmp_path, "raw")) as store:
+        assert await store.delete(side_key(cal_file[1]))
+        assert await store.get("chunk0") is None
+        assert store.stats()["file"].corrupt == 1
+        assert await store.contains("chunk0")  # not discarded: someone may have the calibration
+    # A writer puts the calibration again (with its next frame): the old frames read back.
+    await write(tmp_path, cal_file[0], {"other": CHUNKS["chunk1"]})
+    registry.forget_all()
+    async with Store(config(tmp_path, "raw")) as store:
+        assert close_to(await store.get("chunk0"), CHUNKS["chunk0"][0])
+
+
+async def test_altered_or_other_calibration_is_a_miss(
+    tmp_path: Path, cal_file: tuple[Path, str]
+) -> None:
+    await write(tmp_path, cal_file[0], CHUNKS)
+    other = fit(calibration_chunks(4), group=1, rel_error=0.05, rope=ROPE)
+    registry.forget_all()
+    raw = cal_file[0].read_bytes()
+    for replacement in (other.data, raw[:-1] + bytes([raw[-1] ^ 1]), b"not a calibration"):
+        async with Store(config(tmp_path, "raw")) as store:
+            await store.put(side_key(cal_file[1]), replacement)
+        async with Store(config(tmp_path, "raw")) as store:
+            assert await store.get("chunk2") is None
+            assert store.stats()["file"].corrupt == 1
+        assert registry.lookup(cal_file[1]) is None
+
+
+async def test_position_is_optional(tmp_path: Path, cal_file: tuple[Path, str]) -> None:
+    kv = correlated_kv(64, 640, seed=77)
+    async with Store(config(tmp_path, calibration=str(cal_file[0]))) as store:
+        await store.put("with", kv, fmt=F.KV_2LTD, position=640)
+        await store.put("without", kv, fmt=F.KV_2LTD)
+        with pytest.raises(ValueError, match="position"):
+            await store.put("bad", kv, fmt=F.KV_2LTD, position=-1)
+    registry.forget_all()
+    async with Store(config(tmp_path, "raw")) as store:
+        assert close_to(await store.get("with"), kv)
+        assert close_to(await store.get("without"), kv)
+
+
+def test_a_new_process_reads_kvtc_frames(tmp_path: Path, cal_file: tuple[Path, str]) -> None:
+    import asyncio
+
+    asyncio.run(write(tmp_path, cal_file[0], CHUNKS))
+    torch.save(CHUNKS["chunk1"][0], tmp_path.parent / "expected.pt")
+    script = textwrap.dedent(
+        f"""
+        import asyncio, torch
+        from gateway import Store
+        from serde.kvtc import registry
+
+        async def main():
+            tier = {{"url": "file://{tmp_path}", "codec": "zstd"}}
+            async with Store({{"tiers": [tier]}}) as store:
+                got = await store.get("chunk1")
+                assert registry.lookup("{cal_file[1]}") is not None
+                want = torch.load("{tmp_path.parent / "expected.pt"}")
+                err = (got.float() - want.float()).norm() / want.float().norm()
+                print("ERR", float(err), store.stats()["file"].corrupt)
+
+        asyncio.run(main())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    _, err, corrupt = done.stdout.split()
+    assert float(err) < 0.06
+    assert corrupt == "0"
+
+
+async def test_kvtc_in_a_codec_chain(tmp_path: Path, cal_file: tuple[Path, str]) -> None:
+    """kvtc first in a chain: the tier still writes its calibration, and a fresh reader
+    fetches it when the chain's kvtc stage asks."""
+    tier = {
+        "url": f"file://{tmp_path}",
+        "codec": ["kvtc", "zstd"],
+        "codec_options": [{"calibration": str(cal_file[0])}, {}],
+    }
+    kv = correlated_kv(64, 128, seed=88)
+    async with Store({"tiers": [tier]}) as store:
+        await store.put("chained", kv, fmt=F.KV_2LTD, position=128)
+    registry.forget_all()
+    async with Store(config(tmp_path, "raw")) as store:
+        assert close_to(await store.get("chained"), kv)
+        assert store.stats()["file"].corrupt == 0

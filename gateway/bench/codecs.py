@@ -361,6 +361,9 @@ def measure(
         _round_trip(codec, warm)
         tick(1)
         objs = [to_object_data(c, MemoryFormat.KV_2LTD) for c in chunks]
+        if sample.positions is not None:
+            for obj, position in zip(objs, sample.positions, strict=True):
+                obj.position = position
         outs = [np.zeros(c.numel() * c.element_size(), dtype=np.uint8) for c in chunks]
         enc, dec = [], []
         for _ in range(repeat):

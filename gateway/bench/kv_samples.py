@@ -46,6 +46,9 @@ class KVSample:
     # and attended to on its own (0: one chunk).
     chunk_tokens: int = 0
     end_to_end: EndToEnd | None = None
+    # Each chunk's first token's position in its sequence (None: unknown), handed to codecs
+    # as a store's put would (``position=``): codecs that undo RoPE on keys need it.
+    positions: list[int] | None = None
 
     def chunks(self) -> list[torch.Tensor]:
         """The objects a store would hold: views of ``kv``, chunk by chunk along tokens."""

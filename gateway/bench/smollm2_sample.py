@@ -205,6 +205,7 @@ def smollm2_kv(
         kv_heads=model.kv_heads,
         chunk_tokens=CHUNK_TOKENS,
         end_to_end=e2e,
+        positions=[start for _ in prefixes for start in range(0, prefix_tokens, CHUNK_TOKENS)],
     )
 
 

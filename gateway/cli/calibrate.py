@@ -19,6 +19,7 @@ from gateway.cli.calibrate_sources import (
     SAMPLES,
     from_file,
     from_sample,
+    from_smollm2,
     from_store,
     put_calibration,
 )
@@ -58,7 +59,10 @@ def calibrate(
     given = [s for s in (sample, chunks_file, store) if s is not None]
     if len(given) != 1:
         raise _fail("give exactly one of --sample, --chunks, --store")
-    if sample is not None:
+    sample_rope = None
+    if sample == "smollm2":  # a RoPE model: its chunks carry positions, its RoPE is known
+        chunks, sample_rope = from_smollm2(count)
+    elif sample is not None:
         chunks = from_sample(sample, count, tokens)
     elif chunks_file is not None:
         chunks = from_file(chunks_file)
@@ -67,7 +71,7 @@ def calibrate(
         chunks = asyncio.run(from_store(store, prefix, count))
     if not chunks:
         raise _fail("no [2, layers, tokens, channels] chunks found")
-    rope = Rope(head_dim, rope_theta) if head_dim else None
+    rope = Rope(head_dim, rope_theta) if head_dim else sample_rope
     cap = int(max_basis_mb * (1 << 20)) or None
     try:
         loaded = fit(

@@ -12,8 +12,9 @@ from gateway.errors import MissingDependency
 
 if TYPE_CHECKING:
     from serde.kvtc.fit import Chunk
+    from serde.kvtc.rope import Rope
 
-SAMPLES = ("synthetic", "minilm")
+SAMPLES = ("synthetic", "minilm", "smollm2")
 
 
 def from_sample(name: str, chunks: int, tokens: int) -> list[Chunk]:
@@ -34,6 +35,23 @@ def from_sample(name: str, chunks: int, tokens: int) -> list[Chunk]:
         raise ValueError(f"unknown sample {name!r} (known: {', '.join(SAMPLES)})")
     n = kv.shape[2]
     return [Chunk(kv[:, :, a : a + tokens].clone(), a) for a in range(0, n - tokens + 1, tokens)]
+
+
+def from_smollm2(chunks: int) -> tuple[list[Chunk], Rope]:
+    """SmolLM2-135M's post-RoPE K/V over the bench's calibration texts (never its test texts),
+    at most ``chunks`` chunks of 256 tokens taken round-robin over the texts, with their
+    positions, and the model's RoPE (so keys are calibrated unrotated)."""
+    from gateway.bench.smollm2_sample import smollm2_chunks
+    from serde.kvtc.fit import Chunk
+    from serde.kvtc.rope import Rope
+
+    captured, rope = smollm2_chunks("calibration")
+    by_text: dict[str, list[Chunk]] = {}
+    for c in captured:
+        by_text.setdefault(c.text, []).append(Chunk(c.kv, c.start))
+    rounds = max(len(v) for v in by_text.values())
+    ordered = [v[i] for i in range(rounds) for v in by_text.values() if i < len(v)]
+    return ordered[:chunks], Rope(rope.head_dim, rope.theta)
 
 
 def from_file(path: Path) -> list[Chunk]:

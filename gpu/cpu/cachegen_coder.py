@@ -22,18 +22,9 @@ import numpy as np
 from numba import njit
 
 from gpu.cpu.cachegen_kernels import index_row, store_block
-from serde.cachegen.tables import CTX_START, NCLS, NCTX, NSYM, PREC, QMAX
+from gpu.cpu.rans_words import MASK16, PRECU, RENORM, SLOT, TOTAL, W8, W16, W32, ZERO, L
+from serde.cachegen.tables import CTX_START, NCLS, NCTX, NSYM, QMAX
 
-L = np.uint64(1 << 16)
-W16 = np.uint64(16)
-W32 = np.uint64(32)
-MASK16 = np.uint64(0xFFFF)
-SLOT = np.uint64((1 << PREC) - 1)
-PRECU = np.uint64(PREC)
-RENORM = np.uint64(32 - PREC)
-TOTAL = np.uint64(1 << PREC)
-ZERO = np.uint64(0)
-W8 = np.uint64(8)
 NSYMU = np.uint64(NSYM)
 
 

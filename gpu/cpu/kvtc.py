@@ -17,16 +17,7 @@ from numba import njit
 
 from gpu import dispatch
 from gpu.cpu.rans import compact, decoder_entries, encoder_entries
-from serde.cachegen.tables import PREC
-
-L = np.uint64(1 << 16)
-W16 = np.uint64(16)
-W32 = np.uint64(32)
-MASK16 = np.uint64(0xFFFF)
-SLOT = np.uint64((1 << PREC) - 1)
-PRECU = np.uint64(PREC)
-RENORM = np.uint64(32 - PREC)
-TOTAL = np.uint64(1 << PREC)
+from gpu.cpu.rans_words import MASK16, PRECU, RENORM, SLOT, TOTAL, W16, W32, L
 
 
 @njit(nogil=True, cache=False)

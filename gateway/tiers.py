@@ -256,6 +256,13 @@ class ConnectorTier:
         self._configured: dict[str, Codec] = {codec.name: codec}
         if isinstance(codec, ChainCodec):
             self._configured.update((s.name, s) for s in codec.stages)
+        # What the codec (or a chain's stages) needs in this tier before its frames: fixed
+        # when the codec is built, so found once here rather than on every put.
+        self._side_objects: list[tuple[str, bytes]] = [
+            item
+            for c in [codec, *(codec.stages if isinstance(codec, ChainCodec) else [])]
+            for item in getattr(c, "side_objects", [])
+        ]
 
     def _codec_for(self, header: FrameHeader) -> Codec:
         # A store reads every object whatever codec wrote it: the frame names the codec.
@@ -308,13 +315,7 @@ class ConnectorTier:
     async def _write_side_objects(self) -> None:
         """Put the codec's side objects before the first frame that needs them (and again
         every ``REFRESH_WRITES`` frames: a capacity-bound backend may have evicted them)."""
-        codecs = [self.codec, *(self.codec.stages if isinstance(self.codec, ChainCodec) else [])]
-        wanted: list[tuple[str, bytes]] = [
-            item for c in codecs for item in getattr(c, "side_objects", [])
-        ]
-        if not wanted:
-            return
-        for key, data in wanted:
+        for key, data in self._side_objects:
             since = self._side_written.get(key)
             if since is not None and since < REFRESH_WRITES:
                 self._side_written[key] = since + 1

@@ -19,7 +19,6 @@ from gateway.cli.calibrate_sources import (
     SAMPLES,
     from_file,
     from_sample,
-    from_smollm2,
     from_store,
     put_calibration,
 )
@@ -59,11 +58,9 @@ def calibrate(
     given = [s for s in (sample, chunks_file, store) if s is not None]
     if len(given) != 1:
         raise _fail("give exactly one of --sample, --chunks, --store")
-    sample_rope = None
-    if sample == "smollm2":  # a RoPE model: its chunks carry positions, its RoPE is known
-        chunks, sample_rope = from_smollm2(count)
-    elif sample is not None:
-        chunks = from_sample(sample, count, tokens)
+    sample_rope = None  # a RoPE model's sample knows its RoPE: keys are calibrated unrotated
+    if sample is not None:
+        chunks, sample_rope = from_sample(sample, count, tokens)
     elif chunks_file is not None:
         chunks = from_file(chunks_file)
     else:

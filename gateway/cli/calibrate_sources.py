@@ -17,15 +17,18 @@ if TYPE_CHECKING:
 SAMPLES = ("synthetic", "minilm", "smollm2")
 
 
-def from_sample(name: str, chunks: int, tokens: int) -> list[Chunk]:
+def from_sample(name: str, chunks: int, tokens: int) -> tuple[list[Chunk], Rope | None]:
     """``chunks`` consecutive chunks of ``tokens`` from one sequence of the named sample.
 
     synthetic: the bench's synthetic chunk (its model is seed 0; the calibration sequence is
     longer than the bench's chunk, so its tokens differ); minilm: MiniLM over the bench's text
-    (up to 512 tokens in all; MiniLM has no RoPE)."""
+    (up to 512 tokens in all; MiniLM has no RoPE); smollm2: see ``from_smollm2``. With the
+    sample's RoPE (None: its keys carry none to undo)."""
     from gateway.bench.kv_samples import minilm_kv, synthetic_kv
     from serde.kvtc.fit import Chunk
 
+    if name == "smollm2":
+        return from_smollm2(chunks)
     total = chunks * tokens
     if name == "synthetic":
         kv = synthetic_kv(tokens=total).kv
@@ -34,7 +37,8 @@ def from_sample(name: str, chunks: int, tokens: int) -> list[Chunk]:
     else:
         raise ValueError(f"unknown sample {name!r} (known: {', '.join(SAMPLES)})")
     n = kv.shape[2]
-    return [Chunk(kv[:, :, a : a + tokens].clone(), a) for a in range(0, n - tokens + 1, tokens)]
+    cut = [Chunk(kv[:, :, a : a + tokens].clone(), a) for a in range(0, n - tokens + 1, tokens)]
+    return cut, None
 
 
 def from_smollm2(chunks: int) -> tuple[list[Chunk], Rope]:

@@ -159,9 +159,11 @@ ByteSize = Annotated[int, BeforeValidator(_coerce_size)]
 # Secrets
 
 # "token(?!s)" keeps counts such as "recent_tokens" (a KIVI option) readable; anything that
-# only looks like a secret is hidden too, since hiding a harmless value costs nothing.
+# only looks like a secret is hidden too, since hiding a harmless value costs nothing. Azure's
+# connection strings hold the account key, and a SAS is a signed grant ("sig=" in a query).
 _SECRET_KEY_RE = re.compile(
-    r"password|passwd|secret|credential|api_?key|access_?key|private_?key|token(?!s)",
+    r"password|passwd|secret|credential|api_?key|access_?key|private_?key|token(?!s)"
+    r"|account_?key|connection_?string|sas_?token|(?<![a-z])sig(?![a-z])",
     re.IGNORECASE,
 )
 _QUERY_PARAM_RE = re.compile(r"([?&;])([^=&#;]+)=([^&#;]*)")

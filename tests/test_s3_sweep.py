@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from servers.s3 import S3Server, raw_s3, tcp_proxy
 
+from connectors.object_names import Naming
 from connectors.s3 import S3Connector, sweep
-from connectors.s3.names import Naming
 from gateway.errors import ConfigError, Timeout
 from gateway.testing import assert_same_bytes, make_bytes
 

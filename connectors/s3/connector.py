@@ -14,7 +14,8 @@ from typing import Any, ClassVar, Self
 
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
-from connectors.s3 import names, sweep
+from connectors import object_names as names
+from connectors.s3 import sweep
 from connectors.s3.client import S3Client, new_session, open_client
 from connectors.s3.config import DEFAULT_STALE_UPLOAD_AGE, Location, S3Options, parse
 from connectors.s3.download import download

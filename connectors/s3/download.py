@@ -25,9 +25,10 @@ from typing import Any
 
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
+from connectors.object_names import shown
+from connectors.read_target import ReadTarget
 from connectors.s3.client import S3Client
 from connectors.s3.errors import is_changed, is_missing, s3_errors
-from connectors.s3.names import shown
 from connectors.s3.transfer import limited, read_body_into, run_all, spans
 from gateway.connector import Allocator, read_limit
 from gateway.errors import CorruptObject, Unavailable
@@ -39,41 +40,9 @@ class ObjectChanged(Unavailable):
     """The object was overwritten or deleted between two ranges of one read."""
 
 
-class _Target:
-    """The buffer a read fills: from ``alloc`` once, else a new one of its own.
-
-    A read that starts again after an overwrite reuses the buffer when the size is the same.
-    When it is not, a buffer ``alloc`` gave cannot be traded for another (the caller holds it
-    as the result): the read is then a miss.
-    """
-
-    def __init__(self, alloc: Allocator) -> None:
-        self.alloc = alloc
-        self.buf: memoryview | None = None
-        self.from_alloc = False
-
-    def get(self, size: int) -> memoryview | None:
-        if self.buf is not None:
-            if self.buf.nbytes == size:
-                return self.buf
-            if self.from_alloc:
-                return None
-        given = self.alloc(size) if self.buf is None else None
-        if given is not None:
-            if given.nbytes != size:
-                raise ValueError(f"alloc({size}) gave {given.nbytes} bytes")
-            self.buf = given.cast("B") if given.format != "B" else given
-            self.from_alloc = True
-        else:
-            # A bytearray, not numpy.empty: numpy asks for transparent huge pages on large
-            # arrays, and faulting those in while bodies stream in stalled reads here.
-            self.buf = memoryview(bytearray(size))
-        return self.buf
-
-
 async def download(client: S3Client, name: str, alloc: Allocator) -> memoryview | None:
     """The object ``name`` in a buffer from ``alloc`` (or a new one); None on a miss."""
-    target = _Target(alloc)
+    target = ReadTarget(alloc)
     for attempt in range(CHANGE_RETRIES):
         try:
             return await _read_once(client, name, target)
@@ -83,7 +52,7 @@ async def download(client: S3Client, name: str, alloc: Allocator) -> memoryview 
     raise AssertionError("unreachable")
 
 
-async def _read_once(client: S3Client, name: str, target: _Target) -> memoryview | None:
+async def _read_once(client: S3Client, name: str, target: ReadTarget) -> memoryview | None:
     opts = client.options
     where = f"{client.where} GET {shown(name)}"
     with s3_errors(where, client.bucket):

@@ -27,9 +27,9 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from connectors.object_names import Naming
 from connectors.s3.client import S3Client
 from connectors.s3.errors import s3_errors
-from connectors.s3.names import Naming
 from connectors.s3.upload import abort
 
 log = logging.getLogger(__name__)

@@ -27,10 +27,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from connectors.object_names import shown
 from connectors.s3.client import S3Client
 from connectors.s3.config import MAX_PARTS
 from connectors.s3.errors import code_of, s3_errors
-from connectors.s3.names import shown
 from connectors.s3.transfer import PartsBody, limited, run_all, slice_parts, spans
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import yaml
 from servers.redis import RedisNode
 from servers.s3 import S3Server
 
-from connectors.s3.names import Naming
+from connectors.object_names import Naming
 from e2e.serve import Kvgate, kvgate_serve
 
 

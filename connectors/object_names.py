@@ -1,6 +1,8 @@
-"""Keys to S3 object names and back, without collisions and with prefix listing intact.
+"""Keys to object names and back, without collisions and with prefix listing intact.
 
-An S3 object name is at most 1024 bytes, and S3-compatible servers add their own limits
+Shared by the object-store connectors (``s3://``, ``azure://``, ``gs://``): each allows object
+names of at most 1024 bytes (Azure: 1024 characters), and S3-compatible servers add their
+own limits
 (SeaweedFS and MinIO store names as paths: at most 255 bytes per ``/`` segment, and MinIO
 refuses an object ``a`` next to an object ``a/b``). Keys are arbitrary strings, so:
 
@@ -13,7 +15,8 @@ refuses an object ``a`` next to an object ``a/b``). Keys are arbitrary strings, 
   prefix of the names of its keys: ``list(prefix)`` is one ``ListObjectsV2`` by name prefix.
 - A name that would exceed ``MAX_NAME`` bytes keeps its first bytes (still listable by prefix)
   and ends in ``!`` plus a 160-bit BLAKE2b of the key instead of ``.``; the full key travels in
-  the object's metadata (``x-amz-meta-kvgate-key``, base64) for ``list`` to read back.
+  the object's metadata (``x-amz-meta-kvgate-key``, base64; Azure's metadata names must be
+  identifiers, so there it is ``kvgate_key``) for ``list`` to read back.
   S3 limits user metadata to 2 KiB, hence ``MAX_KEY_BYTES``.
 """
 
@@ -127,12 +130,12 @@ def shown(name: str) -> str:
     return repr(name if len(name) <= 120 else f"{name[:70]}...{name[-40:]}")
 
 
-def key_metadata(key: str) -> dict[str, str]:
-    return {KEY_META: base64.b64encode(key.encode()).decode()}
+def key_metadata(key: str, field: str = KEY_META) -> dict[str, str]:
+    return {field: base64.b64encode(key.encode()).decode()}
 
 
-def key_from_metadata(metadata: dict[str, str]) -> str | None:
-    value = metadata.get(KEY_META)
+def key_from_metadata(metadata: dict[str, str], field: str = KEY_META) -> str | None:
+    value = metadata.get(field)
     if value is None:
         return None
     try:

@@ -1,0 +1,217 @@
+"""The ``gs://`` connector: ``GcsConnector`` (see the package docstring for the design)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, ClassVar, Self
+
+import aiohttp
+from gcloud.aio.storage import Storage
+
+from connectors import object_names as names
+from connectors.gcs.client import GcsClient
+from connectors.gcs.config import api_root, parse
+from connectors.gcs.download import download
+from connectors.gcs.errors import gcs_errors, is_missing
+from connectors.gcs.upload import upload
+from gateway.client_baseline import timed_put_get
+from gateway.connector import Allocator, BaseConnector, as_parts
+from gateway.errors import GatewayError, InvalidKey
+from gateway.inflight import InFlight
+from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
+
+
+def _no_buffer(size: int) -> memoryview | None:
+    return None  # the read then fills a buffer of its own
+
+
+class GcsConnector(BaseConnector):
+    scheme: ClassVar[str] = "gs"
+    capabilities = Capabilities(
+        list=True, zero_copy=True, persistent=True, max_key_length=names.MAX_KEY_BYTES
+    )
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self.location, self.options = parse(url, options)
+        self.bucket = self.location.bucket
+        self.batch_concurrency = self.options.batch_concurrency
+        self._names = names.Naming(self.location.prefix)
+        self._client = GcsClient(self.location, self.options, repr(self))
+        self._in_flight = InFlight()
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        return cls(url, **options)
+
+    def __repr__(self) -> str:
+        endpoint = f" at {self.options.endpoint}" if self.options.endpoint else ""
+        return f"GcsConnector(gs://{self.bucket}/{self.location.prefix}{endpoint})"
+
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[None]:
+        if self._closed:
+            raise GatewayError(f"{self!r} is closed")
+        with self._in_flight.track():
+            yield
+
+    def _name(self, key: str) -> str | None:
+        if not key:
+            raise InvalidKey("a key must not be empty")
+        if len(key.encode()) > names.MAX_KEY_BYTES:
+            return None
+        return self._names.object_name(key)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> Buffer | None:
+        got = await self.get_into(key, _no_buffer)
+        return got.obj if got is not None and isinstance(got.obj, bytearray) else got
+
+    async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
+        with self._op():
+            name = self._name(key)
+            if name is None:
+                return None
+            return await download(self._client, name, alloc)
+
+    async def exists(self, key: str) -> bool:
+        with self._op():
+            name = self._name(key)
+            return name is not None and await self._metadata(name) is not None
+
+    async def _metadata(self, name: str) -> dict[str, Any] | None:
+        with gcs_errors(f"{self!r} HEAD {names.shown(name)}", self.bucket):
+            session = await self._client.session()
+            headers = await self._client.headers()
+            try:
+                async with asyncio.timeout(self.options.request_timeout):
+                    resp = await session.get(
+                        self._client.object_url(name),
+                        headers=headers,
+                        timeout=self.options.request_timeout,
+                        params={"alt": "json"},
+                    )
+                    found: dict[str, Any] = await resp.json(content_type=None)
+            except aiohttp.ClientResponseError as exc:
+                if is_missing(exc):
+                    return None
+                raise
+            return found
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def put(self, key: str, data: BufferParts) -> None:
+        with self._op():
+            name = self._name(key)
+            if name is None:
+                raise InvalidKey(
+                    f"{self!r}: keys are limited to {names.MAX_KEY_BYTES} bytes of UTF-8"
+                )
+            meta = names.key_metadata(key) if self._names.is_hashed(name) else {}
+            await upload(self._client, name, as_parts(data), meta)
+
+    async def delete(self, key: str) -> bool:
+        """Delete ``key``; whether it existed (GCS answers 404 when it did not)."""
+        with self._op():
+            name = self._name(key)
+            if name is None:
+                return False
+            with gcs_errors(f"{self!r} DELETE {names.shown(name)}", self.bucket):
+                session = await self._client.session()
+                headers = await self._client.headers()
+                try:
+                    async with asyncio.timeout(self.options.request_timeout):
+                        resp = await session.delete(
+                            self._client.object_url(name),
+                            headers=headers,
+                            timeout=self.options.request_timeout,
+                            params={},
+                        )
+                        await resp.read()
+                except aiohttp.ClientResponseError as exc:
+                    if is_missing(exc):
+                        return False
+                    raise
+            return True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Wait for operations in flight and clean-ups, then close the client. Idempotent."""
+        self._closed = True
+        await self._in_flight.wait_idle()
+        await self._client.close()
+
+    # -- listing (last: ``list`` would shadow the builtin in annotations below it) -----------
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every stored key starting with ``prefix``, with its size, a page at a time; the
+        listing carries each object's metadata, so a hashed key costs no extra request."""
+        params = {"prefix": self._names.list_prefix(prefix)}
+        while True:
+            with self._op():  # not held across a yield: a consumer may pause or stop anywhere
+                with gcs_errors(f"{self!r} LIST {prefix!r}", self.bucket):
+                    storage = await self._client.storage()
+                    async with asyncio.timeout(self.options.request_timeout):
+                        page = await storage.list_objects(
+                            self.bucket,
+                            params=dict(params),
+                            timeout=int(self.options.request_timeout),
+                        )
+                found = []
+                for item in page.get("items", ()):
+                    key = self._key_of(str(item["name"]), item.get("metadata") or {})
+                    if key is not None and key.startswith(prefix):
+                        found.append(ObjectInfo(key, int(item["size"])))
+            for info in found:
+                yield info
+            token = page.get("nextPageToken")
+            if not token:
+                return
+            params["pageToken"] = str(token)
+
+    def _key_of(self, name: str, metadata: dict[str, str]) -> str | None:
+        if not self._names.is_hashed(name):
+            return self._names.key_of(name)
+        key = names.key_from_metadata(metadata)
+        # Only an object of ours: its name is the one its key maps to (never a temporary part).
+        return key if key is not None and self._name(key) == name else None
+
+    # -- the benchmark's reference -----------------------------------------------------------
+
+    @classmethod
+    async def raw_client_baseline(
+        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+    ) -> tuple[float, float]:
+        """(put GB/s, get GB/s) of plain gcloud-aio-storage: one ``upload`` and one
+        ``download`` per object (the library picks simple or resumable uploads itself)."""
+        location, opts = parse(url, options)
+        root, emulated = api_root(opts)
+        data = os.urandom(size)
+        base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
+        timeout = int(opts.request_timeout)
+        async with Storage(
+            service_file=opts.service_file, api_root=root, api_is_dev=emulated
+        ) as storage:
+
+            async def put(i: int) -> object:
+                return await storage.upload(location.bucket, f"{base}{i}", data, timeout=timeout)
+
+            async def get(i: int) -> int:
+                got = await storage.download(location.bucket, f"{base}{i}", timeout=timeout)
+                return len(got)
+
+            try:
+                with gcs_errors("gs baseline", location.bucket):
+                    return await timed_put_get(
+                        put, get, size=size, count=count, concurrency=concurrency
+                    )
+            finally:
+                for i in range(count):
+                    with contextlib.suppress(Exception):
+                        await storage.delete(location.bucket, f"{base}{i}")

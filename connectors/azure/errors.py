@@ -40,8 +40,17 @@ _CREDENTIALS = frozenset(
 
 
 def code_of(exc: BaseException) -> str:
-    """The service's error code (``BlobNotFound``, ...); "" if none."""
+    """The service's error code (``BlobNotFound``, ...); "" if none.
+
+    The SDK's public calls parse it into ``error_code``; the REST operation the connector calls
+    directly (a Put Blob) leaves it in the response's ``x-ms-error-code`` header.
+    """
     code = getattr(exc, "error_code", None)
+    if not code:
+        response = getattr(exc, "response", None)
+        headers = getattr(response, "headers", None) or {}
+        code = headers.get("x-ms-error-code")
+    code = getattr(code, "value", code)  # the SDK's StorageErrorCode enum, or a plain string
     return str(code) if code else ""
 
 

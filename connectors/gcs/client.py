@@ -13,7 +13,7 @@ from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import quote
 
-from gcloud.aio.auth import AioSession  # type: ignore[attr-defined]
+from gcloud.aio.auth import AioSession
 from gcloud.aio.storage import Storage
 
 from connectors.gcs.config import GcsOptions, Location, api_root

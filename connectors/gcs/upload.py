@@ -1,13 +1,13 @@
 """Writing one object atomically: one upload when small, parts composed at the end when large.
 
 GCS makes an object visible only when its upload completes, so a reader sees the old object or
-the new one. Up to ``put_threshold`` an object is one media upload (a multipart one when the key
-must ride in metadata, or the object is empty) whose body is views of the caller's buffers (``PartsBody``). A larger
-object is uploaded as up to 32 temporary parts in parallel (``part_size``, grown to fit 32),
-named ``<prefix>~kvgate-parts/<nonce>/<n>`` (no key maps to such a name, so ``list`` skips
-them), then composed into the object in one request that also sets its metadata: the object
-appears whole at the compose. The parts are deleted afterwards, also when the put fails; a
-cancelled put deletes them in the background (``close()`` waits for that).
+the new one. Up to ``put_threshold`` an object is one media upload (a multipart one when the
+key must ride in metadata, or the object is empty) whose body is views of the caller's buffers
+(``PartsBody``). A larger object is uploaded as up to 32 temporary parts in parallel
+(``part_size``, grown to fit 32), named ``<prefix>~kvgate-parts/<nonce>/<n>`` (no key maps to
+such a name, so ``list`` skips them), then composed into the object in one request that also
+sets its metadata: the object appears whole at the compose. The parts are deleted afterwards,
+also when the put fails; a cancelled put deletes them in the background (``close()`` waits).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from connectors.fanout import limited, run_all, slice_parts, spans
 from connectors.gcs.client import GcsClient
@@ -45,11 +45,11 @@ async def upload(
         temps = [f"{base}{i:02d}" for i in range(len(ranges))]
         slots = asyncio.Semaphore(opts.max_concurrency)
 
-        def send(temp: str, lo: int, hi: int) -> object:
+        def send(temp: str, lo: int, hi: int) -> Callable[[], Awaitable[None]]:
             return limited(slots, lambda: _upload_one(client, temp, slice_parts(parts, lo, hi), {}))
 
         try:
-            await run_all([send(t, lo, hi) for t, (lo, hi) in zip(temps, ranges, strict=True)])  # type: ignore[misc]
+            await run_all([send(t, lo, hi) for t, (lo, hi) in zip(temps, ranges, strict=True)])
             await _compose(client, name, temps, metadata)
         except asyncio.CancelledError:
             client.spawn(_delete_all(client, temps))
@@ -90,7 +90,7 @@ async def _upload_one(
         resp = await session.post(
             client.upload_url(),
             headers=headers,
-            data=body,
+            data=body,  # type: ignore[arg-type]  # a Payload: aiohttp streams it as it is
             timeout=opts.request_timeout,
             params=params,
         )

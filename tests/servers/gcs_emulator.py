@@ -7,8 +7,10 @@ tests can and cannot show:
 - no credentials (an emulator never checks them): the wrong-credential path is not tested;
 - no ``x-goog-generation`` header and no ``generation=`` on downloads: the ranged reads' pin
   to one generation is not exercised here;
-- one request at a time (``http.server.HTTPServer``, HTTP/1.0): parallel parts and ranges are
-  correct but not faster, and its speed says nothing about GCS's.
+- one request at a time (``http.server.HTTPServer``, HTTP/1.0, a new connection per request):
+  parallel parts and ranges are correct but not faster, and its speed says nothing about
+  GCS's. Its listen backlog (5) resets the connections of a few dozen parallel requests, so
+  the fixture starts it with a deeper one (``_LAUNCH``); nothing else of it is changed.
 
 ``gcs_server`` is shared by the session (each test uses its own prefix); ``gcs_server_private``
 is one of its own for a test that kills or stalls it. Data lives in memory.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,11 +67,20 @@ def _wait_for_bucket(server: GcsServer) -> None:
         assert json.load(resp)["name"] == server.bucket
 
 
+# The emulator's own entry point, with socketserver's listen backlog raised from 5.
+_LAUNCH = (
+    "import socketserver, sys; socketserver.TCPServer.request_queue_size = 512; "
+    "from gcp_storage_emulator.__main__ import main; main(sys.argv[1:])"
+)
+
+
 def make_server(root: Path) -> GcsServer:
-    binary = require_binary("gcp-storage-emulator", "pip install gcp-storage-emulator")
+    require_binary("gcp-storage-emulator", "pip install gcp-storage-emulator")
     port = free_port()
     argv = [
-        binary,
+        sys.executable,
+        "-c",
+        _LAUNCH,
         "start",
         "--host",
         "127.0.0.1",

@@ -54,7 +54,12 @@ def run_compose(*args: str, token: str | None = "test-token") -> subprocess.Comp
 
 
 def test_docker_compose_validates_the_file_with_every_profile() -> None:
-    for profiles in ([], ["--profile", "valkey"], ["--profile", "valkey", "--profile", "mooncake"]):
+    for profiles in (
+        [],
+        ["--profile", "valkey"],
+        ["--profile", "valkey", "--profile", "mooncake"],
+        ["--profile", "azure"],
+    ):
         done = run_compose(*profiles, "config", "-q")
         assert done.returncode == 0, done.stderr
 
@@ -114,7 +119,13 @@ def test_profiles(compose: dict[str, Any]) -> None:
     for name in ("mooncake-master", "mooncake-store", "kvgate-mooncake"):
         assert svc[name]["profiles"] == ["mooncake"]
     assert svc["mooncake-master"]["command"][0] == "mooncake_master"
-    for tiers in (tiers_of(svc["kvgate-valkey"]), tiers_of(svc["kvgate-mooncake"])):
+    for name in ("azurite", "kvgate-azure"):
+        assert svc[name]["profiles"] == ["azure"]
+    azure = tiers_of(svc["kvgate-azure"])
+    assert [urlsplit(t["url"]).scheme for t in azure] == ["memory", "azure"]
+    assert "key" not in json.dumps(azure)  # the account key comes from AZURE_STORAGE_KEY
+    assert "AZURE_STORAGE_KEY" in svc["kvgate-azure"]["environment"]
+    for tiers in (tiers_of(svc["kvgate-valkey"]), tiers_of(svc["kvgate-mooncake"]), azure):
         load_config(None, env={"KVGATE_TIERS": json.dumps(tiers)})
 
 

@@ -56,12 +56,14 @@ class AzureOptions(StrictOptions):
         description="one whole call: a put under put_threshold, one staged block, the commit, "
         "or a whole get (all its ranges)",
     )
+    # Objects up to 64 MiB (a 32 MiB chunk and its frame header, too) move in one request each
+    # way: on a local server more streams per object only add overhead at that size.
     put_threshold: ByteSize = Field(
-        default=32 * MiB, gt=0, description="larger objects go as staged blocks"
+        default=64 * MiB, gt=0, description="larger objects go as staged blocks"
     )
     block_size: ByteSize = Field(default=8 * MiB, gt=0, le=MAX_BLOCK_SIZE)
     ranged_get_threshold: ByteSize = Field(
-        default=32 * MiB, gt=0, description="the first GET's size; the rest comes in ranges"
+        default=64 * MiB, gt=0, description="the first GET's size; the rest comes in ranges"
     )
     range_size: ByteSize = Field(default=8 * MiB, gt=0)
     max_concurrency: int = Field(

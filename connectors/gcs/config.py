@@ -45,11 +45,13 @@ class GcsOptions(StrictOptions):
         description="one whole HTTP request: a put under put_threshold, one part, the compose, "
         "one range",
     )
+    # Objects up to 64 MiB (a 32 MiB chunk and its frame header, too) move in one request each
+    # way: on a local server more streams per object only add overhead at that size.
     put_threshold: ByteSize = Field(
-        default=32 * MiB, gt=0, description="larger objects go as parts composed at the end"
+        default=64 * MiB, gt=0, description="larger objects go as parts composed at the end"
     )
     part_size: ByteSize = Field(default=8 * MiB, gt=0)
-    ranged_get_threshold: ByteSize = Field(default=32 * MiB, gt=0)
+    ranged_get_threshold: ByteSize = Field(default=64 * MiB, gt=0)
     range_size: ByteSize = Field(default=8 * MiB, gt=0)
     max_concurrency: int = Field(
         default=8, ge=1, description="parts or ranges in flight, per object"

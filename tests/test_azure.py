@@ -248,6 +248,24 @@ async def test_writers_racing_on_a_staged_blob_never_tear_it(
         await conn.close()
 
 
+async def test_a_cancelled_staged_put_leaves_the_old_blob(
+    azurite_server: AzuriteServer, prefix: str
+) -> None:
+    conn = azure(azurite_server, prefix, **{**SMALL, "max_concurrency": 1})
+    try:
+        await conn.put("big", b"old")
+        put = asyncio.create_task(conn.put("big", make_bytes(8 * MiB, seed=5)))
+        await asyncio.sleep(0.2)  # some blocks are staged, none committed
+        assert not put.done()
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        assert await conn.get("big") == b"old"
+        assert blob_names(azurite_server, f"{prefix}/") == {f"{prefix}/big.": 3}
+    finally:
+        await conn.close()
+
+
 # -- faults --------------------------------------------------------------------------------------
 
 

@@ -141,6 +141,22 @@ async def test_writers_racing_on_a_composed_object_never_tear_it(
         await conn.close()
 
 
+async def test_a_cancelled_composed_put_leaves_no_object_and_no_parts(
+    gcs_server: GcsServer, prefix: str
+) -> None:
+    conn = gcs(gcs_server, prefix, **{**SMALL, "max_concurrency": 1})
+    put = asyncio.create_task(conn.put("big", make_bytes(8 * MiB, seed=5)))
+    deadline = time.monotonic() + 10
+    while not object_names(gcs_server, f"{prefix}/"):  # the first parts are there
+        assert time.monotonic() < deadline, "no part was ever uploaded"
+        await asyncio.sleep(0.01)
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    await conn.close()  # waits for the parts' deletion, which runs in the background
+    assert object_names(gcs_server, f"{prefix}/") == []
+
+
 # -- faults --------------------------------------------------------------------------------------
 
 

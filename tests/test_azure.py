@@ -192,6 +192,7 @@ async def test_missing_container_is_named_or_created(azurite_server: AzuriteServ
 # -- staged blocks and ranged gets ---------------------------------------------------------------
 
 
+@pytest.mark.both_loops  # aiohttp under `kvgate serve`, which runs uvloop
 async def test_staged_put_and_ranged_get_of_a_scatter_list(
     azurite_server: AzuriteServer, prefix: str
 ) -> None:
@@ -248,6 +249,7 @@ async def test_writers_racing_on_a_staged_blob_never_tear_it(
         await conn.close()
 
 
+@pytest.mark.both_loops  # aiohttp under `kvgate serve`, which runs uvloop
 async def test_a_cancelled_staged_put_leaves_the_old_blob(
     azurite_server: AzuriteServer, prefix: str
 ) -> None:

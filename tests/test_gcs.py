@@ -103,6 +103,7 @@ async def test_a_missing_bucket_is_named(gcs_server: GcsServer) -> None:
 
 
 @pytest.mark.parametrize("long_key", [False, True], ids=["plain-key", "hashed-key"])
+@pytest.mark.both_loops  # aiohttp under `kvgate serve`, which runs uvloop
 async def test_composed_put_and_ranged_get_of_a_scatter_list(
     gcs_server: GcsServer, prefix: str, long_key: bool
 ) -> None:
@@ -141,6 +142,7 @@ async def test_writers_racing_on_a_composed_object_never_tear_it(
         await conn.close()
 
 
+@pytest.mark.both_loops  # aiohttp under `kvgate serve`, which runs uvloop
 async def test_a_cancelled_composed_put_leaves_no_object_and_no_parts(
     gcs_server: GcsServer, prefix: str
 ) -> None:

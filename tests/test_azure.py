@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -147,7 +148,9 @@ async def test_credentials_come_from_the_environment(
         await conn.close()
 
 
-async def test_a_sas_token_works(azurite_server: AzuriteServer, prefix: str) -> None:
+async def test_a_sas_token_works_and_is_never_logged(
+    azurite_server: AzuriteServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     from datetime import UTC, datetime, timedelta
 
     from azure.storage.blob import ContainerSasPermissions, generate_container_sas
@@ -159,6 +162,8 @@ async def test_a_sas_token_works(azurite_server: AzuriteServer, prefix: str) -> 
         permission=ContainerSasPermissions(read=True, write=True, delete=True, list=True),
         expiry=datetime.now(UTC) + timedelta(hours=1),
     )
+    signature = dict(p.split("=", 1) for p in sas.split("&"))["sig"]
+    caplog.set_level(logging.DEBUG)
     conn = AzureConnector.from_url(
         azurite_server.url(prefix), endpoint=azurite_server.endpoint, sas_token=sas
     )
@@ -167,8 +172,12 @@ async def test_a_sas_token_works(azurite_server: AzuriteServer, prefix: str) -> 
         assert await conn.get("k") == b"with a SAS"
         assert await listed(conn, "") == {"k": 10}
         assert await conn.delete("k")
+        assert not await conn.delete("k")
     finally:
         await conn.close()
+    assert caplog.records, "the SDK logged nothing: the check below would be empty"
+    assert signature not in caplog.text
+    assert urllib.parse.unquote(signature) not in caplog.text
 
 
 async def test_missing_container_is_named_or_created(azurite_server: AzuriteServer) -> None:

@@ -17,9 +17,11 @@ from rich.console import Console
 
 from gateway.cli.calibrate_sources import (
     SAMPLES,
+    WEIGHT_MODES,
     from_file,
     from_sample,
     from_store,
+    model_weights,
     put_calibration,
 )
 
@@ -46,11 +48,22 @@ def calibrate(
     head_dim: Annotated[int, typer.Option(help="head dimension: undo RoPE on keys")] = 0,
     sinks: Annotated[int, typer.Option(help="leading sequence tokens kept exact")] = 4,
     max_basis_mb: Annotated[float, typer.Option(help="cap on the stored bases")] = 0.0,
+    weights: Annotated[
+        str,
+        typer.Option(
+            help=f"{'|'.join(WEIGHT_MODES)}: weigh errors by what the sample's model does with "
+            "them (queries, output projections, layer sensitivity); auto: when the sample "
+            "has a model"
+        ),
+    ] = "auto",
     put: Annotated[
         str | None, typer.Option(help="a store config to write the calibration into")
     ] = None,
 ) -> None:
-    """Fit a kvtc calibration (PCA per layer group, one step per plane, rANS tables)."""
+    """Fit a kvtc calibration (PCA per layer group, one step per plane, rANS tables).
+
+    With model weights, --rel-error is relative in the weighted metric (keys and values
+    share one step): a different scale than without; see the README's kvtc table."""
     from serde.kvtc import registry
     from serde.kvtc.fit import fit
     from serde.kvtc.rope import Rope
@@ -71,6 +84,9 @@ def calibrate(
     rope = Rope(head_dim, rope_theta) if head_dim else sample_rope
     cap = int(max_basis_mb * (1 << 20)) or None
     try:
+        plane_weights = model_weights(sample, weights)
+        if plane_weights is not None and rope is not None:  # post-RoPE keys: the keys' ones
+            plane_weights = [*plane_weights, plane_weights[0]]
         loaded = fit(
             chunks,
             group=group,
@@ -78,7 +94,10 @@ def calibrate(
             rope=rope,
             sinks=sinks,
             max_basis_bytes=cap,
-            note=f"kvgate calibrate: {len(chunks)} chunks",
+            weights=plane_weights,
+            shared_step=plane_weights is not None,
+            note=f"kvgate calibrate: {len(chunks)} chunks"
+            + ("" if plane_weights is None else ", model weights"),
         )
     except ValueError as exc:
         raise _fail(str(exc)) from None

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from serde.kvtc.rope import Rope
 
 SAMPLES = ("synthetic", "minilm", "smollm2")
+MODEL_SAMPLES = ("smollm2",)  # samples whose model can weigh errors (``--weights model``)
+WEIGHT_MODES = ("auto", "model", "none")
 
 
 def from_sample(name: str, chunks: int, tokens: int) -> tuple[list[Chunk], Rope | None]:
@@ -56,6 +58,21 @@ def from_smollm2(chunks: int) -> tuple[list[Chunk], Rope]:
     rounds = max(len(v) for v in by_text.values())
     ordered = [v[i] for i in range(rounds) for v in by_text.values() if i < len(v)]
     return ordered[:chunks], Rope(rope.head_dim, rope.theta)
+
+
+def model_weights(sample: str | None, mode: str) -> list[Any] | None:
+    """``--weights``: the sample model's ``kvtc`` weights (``serde.kvtc.weights``) for
+    ``model`` (and ``auto`` with a model sample), None for ``none`` (and ``auto`` without)."""
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHT_MODES)}")
+    if mode == "none" or (mode == "auto" and sample not in MODEL_SAMPLES):
+        return None
+    if sample not in MODEL_SAMPLES:
+        raise ValueError(f"--weights model needs a model: --sample {' or '.join(MODEL_SAMPLES)}")
+    from gateway.bench.smollm2_sample import load_smollm2
+    from gateway.bench.smollm2_weights import smollm2_weights
+
+    return smollm2_weights(load_smollm2())
 
 
 def from_file(path: Path) -> list[Chunk]:

@@ -42,11 +42,18 @@ class GroupBasis(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     basis: bytes  # <f2 [features, rank], orthonormal columns (up to float16 rounding)
     shift: bytes  # u1 [rank]
     cls: bytes  # u1 [rank]
+    # <f4 [features], all > 0, or empty (all ones): the basis is over ``scale * (x - mean)``,
+    # a metric in which a unit of error costs the same wherever it falls (keys weighted by
+    # their queries' energy: ``serde.kvtc.weights``)
+    scale: bytes = b""
 
 
 class PlaneCalibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step: float
     groups: list[GroupBasis]
+    # layers per group of this plane; 0: the calibration's ``group`` (the post-RoPE key plane
+    # keeps its full basis, so it is grouped by single layers to keep its size down)
+    group: int = 0
 
 
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -66,9 +73,14 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def rope(self) -> Rope | None:
         return Rope(self.rope_head_dim, self.rope_theta) if self.rope_head_dim else None
 
-    def group_layers(self) -> list[tuple[int, int]]:
-        """``(first layer, layers)`` of each group."""
-        return [(a, min(self.group, self.layers - a)) for a in range(0, self.layers, self.group)]
+    def plane_group(self, plane: int) -> int:
+        """Layers per group of ``plane``."""
+        return self.planes[plane].group or self.group
+
+    def group_layers(self, plane: int) -> list[tuple[int, int]]:
+        """``(first layer, layers)`` of each group of ``plane``."""
+        size = self.plane_group(plane)
+        return [(a, min(size, self.layers - a)) for a in range(0, self.layers, size)]
 
     def basis_bytes(self) -> int:
         return sum(len(g.basis) for p in self.planes for g in p.groups)
@@ -110,14 +122,16 @@ def _problem(cal: Calibration) -> str | None:
         return "layers or channels out of range"
     if not 1 <= cal.group <= cal.layers or cal.group * cal.channels > MAX_FEATURES:
         return "bad layer group"
+    if any(not 0 <= p.group <= cal.group for p in cal.planes):
+        return "bad plane layer group"
     if cal.rope_head_dim and not (fits(Rope(cal.rope_head_dim, 1.0), cal.channels)):
         return "RoPE head dimension does not divide the channels"
     if cal.rope_head_dim and not (np.isfinite(cal.rope_theta) and cal.rope_theta > 1.0):
         return "bad RoPE theta"
     if len(cal.planes) != (3 if cal.rope_head_dim else 2):
         return "wrong plane count"
-    groups = cal.group_layers()
-    for plane in cal.planes:
+    for index, plane in enumerate(cal.planes):
+        groups = cal.group_layers(index)
         if not (np.isfinite(plane.step) and plane.step > 0) or len(plane.groups) != len(groups):
             return "bad step or group count"
         for g, (_, n) in zip(plane.groups, groups, strict=True):
@@ -131,9 +145,18 @@ def _problem(cal: Calibration) -> str | None:
                 return "non-finite mean"
             if not np.isfinite(np.frombuffer(g.basis, "<f2")).all():
                 return "non-finite basis"
+            if g.scale and not _valid_scale(g.scale, features):
+                return "bad feature scale"
             if g.rank and (max(g.shift) > symbols.MAX_SHIFT or max(g.cls) >= symbols.NCLS):
                 return "shift or class out of range"
     return symbols.check_codes(cal.tables, len(cal.planes))
+
+
+def _valid_scale(scale: bytes, features: int) -> bool:
+    if len(scale) != 4 * features:
+        return False
+    s = np.frombuffer(scale, "<f4")
+    return bool(np.isfinite(s).all() and (s > 0).all() and (np.isfinite(1.0 / s)).all())
 
 
 @dataclass(eq=False)
@@ -210,22 +233,29 @@ class Coords:
 @dataclass(frozen=True, slots=True)
 class Device:
     """A group's transform, in steps: ``q = encode @ x.T - offset`` (then rounded) and
-    ``x_hat = q.T @ decode + mean``."""
+    ``x_hat = q.T @ decode + mean``. A feature scale ``s`` folds into the matrices (the
+    basis is over ``s * x``), so it costs nothing per chunk."""
 
     mean: torch.Tensor  # [F]
-    encode: torch.Tensor  # [rank, F]: basis.T / step, contiguous
+    encode: torch.Tensor  # [rank, F]: basis.T * s / step, contiguous
     offset: torch.Tensor  # [rank, 1]: encode @ mean
-    decode: torch.Tensor  # [rank, F]: basis.T * step, contiguous
+    decode: torch.Tensor  # [rank, F]: basis.T / s * step, contiguous
 
     @classmethod
     def of(cls, g: GroupBasis, step: float, device: torch.device) -> Device:
         import torch
 
         mean = torch.from_numpy(np.frombuffer(g.mean, "<f4").copy()).to(device)
-        basis = np.frombuffer(g.basis, "<f2").astype(np.float32).reshape(-1, g.rank)
+        features = len(g.mean) // 4  # explicit: a group with no components has rank 0
+        basis = np.frombuffer(g.basis, "<f2").astype(np.float32).reshape(features, g.rank)
         bt = torch.from_numpy(basis).to(device).t()
-        encode = (bt * (1.0 / step)).contiguous()
-        decode = (bt * step).contiguous()
+        if g.scale:
+            s = torch.from_numpy(np.frombuffer(g.scale, "<f4").copy()).to(device)
+            encode = (bt * (s / step)).contiguous()
+            decode = (bt * (step / s)).contiguous()
+        else:
+            encode = (bt * (1.0 / step)).contiguous()
+            decode = (bt * step).contiguous()
         return cls(mean, encode, (encode @ mean)[:, None], decode)
 
 

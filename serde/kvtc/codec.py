@@ -211,10 +211,11 @@ class KvtcCodec:
         start = loaded.coords(planes).start
         mid = np.empty((2, layout.layers, coded, layout.channels), np.float32)
         jobs = []
+        k = 0  # (plane, group) in coords' order; planes may have different group counts
         for i, p in enumerate(planes):
-            for j, (first, n) in enumerate(cal.group_layers()):
-                k = i * len(cal.planes[p].groups) + j
+            for j, (first, n) in enumerate(cal.group_layers(p)):
                 rows = qf[int(start[k]) : int(start[k + 1])]
+                k += 1
                 jobs.append(
                     partial(_reconstruct_into, mid[i, first : first + n], rows, arrays[p][j])
                 )
@@ -255,7 +256,7 @@ def _coefficients_host(
     jobs = []
     k = 0
     for p, data in zip(planes, (keys, x32[1]), strict=True):
-        for j, (a, n) in enumerate(cal.group_layers()):
+        for j, (a, n) in enumerate(cal.group_layers(p)):
             rows = q[int(coords.start[k]) : int(coords.start[k + 1])]
             k += 1
             jobs.append(partial(_coefficients_into, rows, data[a : a + n], arrays[p][j]))
@@ -289,7 +290,7 @@ def _coefficients_torch(
     ys = [
         transform.coefficients(transform.group_features(data, a, n), arrays[p][j])
         for p, data in zip(planes, (keys, x[1]), strict=True)
-        for j, (a, n) in enumerate(cal.group_layers())
+        for j, (a, n) in enumerate(cal.group_layers(p))
     ]
     y = torch.cat(ys)  # [components, coded tokens]
     if y.numel() == 0 and not bool(torch.isfinite(x).all()):

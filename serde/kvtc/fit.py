@@ -79,13 +79,22 @@ def fit(
     chunks: Sequence[Chunk],
     *,
     group: int = 1,
-    rel_error: float = DEFAULT_REL_ERROR,
+    rel_error: float | Sequence[float] = DEFAULT_REL_ERROR,
     rope: Rope | None = None,
     sinks: int = DEFAULT_SINKS,
     max_basis_bytes: int | None = None,
+    weights: Sequence[np.ndarray[Any, Any] | None] | None = None,
+    shared_step: bool = False,
+    post_rope_group: int = 1,
     note: str = "",
 ) -> Loaded:
-    """A calibration for chunks shaped like ``chunks`` (same layers and channels)."""
+    """A calibration for chunks shaped like ``chunks`` (same layers and channels).
+
+    ``weights``, per plane (keys, values, post-RoPE keys), ``[layers, channels]`` positive
+    or None: how much a squared error of each element costs (``serde.kvtc.weights``); the
+    plane is fitted and its error budgeted in that metric (features scaled by the roots).
+    ``shared_step``: keys and values get one step, budgeted on their joint energy (weights
+    in one unit for both planes, such as end-to-end sensitivity: ``serde.kvtc.weights``)."""
     import torch
 
     if not chunks:
@@ -95,41 +104,55 @@ def fit(
         raise ValueError("calibration chunks must share [2, layers, *, channels]")
     if rope is not None and not fits(rope, channels):
         raise ValueError(f"RoPE head_dim {rope.head_dim} does not divide {channels} channels")
-    if not 0 < rel_error < 1:
-        raise ValueError("rel_error must be in (0, 1)")
+    rel_errors = _per_plane(rel_error)
     group = max(1, min(group, layers))
-    spans = [(a, min(group, layers - a)) for a in range(0, layers, group)]
+    # The post-RoPE key plane keeps its full basis (``POST_ROPE``): in groups of
+    # ``post_rope_group`` layers (default one) its size grows only linearly with the layers.
+    post_group = max(1, min(post_rope_group, group))
+    sizes = [post_group if p == POST_ROPE else group for p in range(3)]
+    spans = [[(a, min(g, layers - a)) for a in range(0, layers, g)] for g in sizes]
     prepared = [p for p in (_planes(c, rope, sinks) for c in chunks) if p is not None]
     if not prepared:
         raise ValueError("no calibration tokens outside the sinks")
     # Per plane and group: mean, eigenvalues (descending), eigenvectors.
     nplanes = len(prepared[0])
+    scales = _scales(weights, nplanes, layers, channels)
     stats: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
     steps: list[float] = []
+    energy: list[tuple[float, int]] = []
     for p in range(nplanes):
         per_group = []
         total_sq, total_n = 0.0, 0
-        for first, n in spans:
+        for first, n in spans[p]:
             feats = [transform.group_features(pl[p], first, n).double() for pl in prepared]
             x = torch.cat(feats)
             mean = x.mean(dim=0)
+            scale = _group_scale(scales[p], first, n)
             xc = x - mean
+            if scale is not None:
+                xc = xc * scale
+                x = x * scale
             cov = xc.t() @ xc / max(1, x.shape[0])
             lam, vec = torch.linalg.eigh(cov)
             per_group.append((mean, lam.flip(0).clamp_min(0), vec.flip(1)))
             total_sq += float((x * x).sum())
             total_n += x.numel()
         stats.append(per_group)
-        target = rel_error**2 * total_sq / total_n
+        energy.append((total_sq, total_n))
+        target = rel_errors[min(p, len(rel_errors) - 1) if p != POST_ROPE else 0] ** 2
+        target *= total_sq / total_n
         lams = np.concatenate([g[1].numpy() for g in per_group])
         steps.append(_step_for(lams, target * len(lams)))
+    if shared_step:
+        steps = [_shared_step(stats, energy, rel_errors[0])] * nplanes
     ranks = _ranks(stats, steps, channels, max_basis_bytes)
     planes = []
     for p in range(nplanes):
         groups = []
-        for (mean, lam, vec), rank in zip(stats[p], ranks[p], strict=True):
+        for (mean, lam, vec), rank, (first, n) in zip(stats[p], ranks[p], spans[p], strict=True):
             spread = np.sqrt(lam[:rank].numpy()) / steps[p]
             shift, cls = symbols.shifts_and_classes(spread)
+            scale = _group_scale(scales[p], first, n)
             groups.append(
                 GroupBasis(
                     rank=rank,
@@ -137,9 +160,11 @@ def fit(
                     basis=vec[:, :rank].numpy().astype("<f2").tobytes(),
                     shift=shift.tobytes(),
                     cls=cls.tobytes(),
+                    scale=b"" if scale is None else scale.numpy().astype("<f4").tobytes(),
                 )
             )
-        planes.append(PlaneCalibration(step=steps[p], groups=groups))
+        own = sizes[p] if sizes[p] != group else 0
+        planes.append(PlaneCalibration(step=steps[p], groups=groups, group=own))
     draft = Calibration(
         version=VERSION,
         layers=layers,
@@ -154,6 +179,57 @@ def fit(
     counts = _count_symbols(load_calibration(to_bytes(draft)), prepared, spans)
     final = Calibration(**{**_fields(draft), "tables": symbols.table_codes(counts)})
     return load_calibration(to_bytes(final))
+
+
+def _shared_step(
+    stats: list[list[tuple[Any, Any, Any]]], energy: list[tuple[float, int]], rel_error: float
+) -> float:
+    """One step for keys and values: their joint error at ``rel_error`` of their joint
+    root mean square (the post-RoPE key plane, which codes the same keys, takes it too)."""
+    both = range(min(2, len(stats)))
+    lams = np.concatenate([g[1].numpy() for p in both for g in stats[p]])
+    sq = sum(energy[p][0] for p in both)
+    n = sum(energy[p][1] for p in both)
+    return _step_for(lams, rel_error**2 * sq / n * len(lams))
+
+
+def _per_plane(rel_error: float | Sequence[float]) -> list[float]:
+    """``[keys, values]`` relative errors (one number: both); post-RoPE keys take the keys'."""
+    errors = [rel_error] if isinstance(rel_error, (int, float)) else list(rel_error)
+    if not 1 <= len(errors) <= 2 or not all(0 < e < 1 for e in errors):
+        raise ValueError("rel_error must be one or two numbers in (0, 1) (keys, values)")
+    return [float(e) for e in errors]
+
+
+def _scales(
+    weights: Sequence[np.ndarray[Any, Any] | None] | None, planes: int, layers: int, channels: int
+) -> list[np.ndarray[Any, Any] | None]:
+    """Per plane: the feature scales ``sqrt(weight)`` as float32 ``[layers, channels]``."""
+    if weights is None:
+        return [None] * planes
+    if len(weights) > planes:
+        raise ValueError(f"{len(weights)} weight planes for {planes} calibration planes")
+    out: list[np.ndarray[Any, Any] | None] = []
+    for p in range(planes):
+        w = weights[p] if p < len(weights) else None
+        if w is None:
+            out.append(None)
+            continue
+        w = np.asarray(w, np.float64)
+        if w.shape != (layers, channels) or not (np.isfinite(w).all() and (w > 0).all()):
+            raise ValueError(f"plane {p}'s weights must be positive [{layers}, {channels}]")
+        out.append(np.sqrt(w).astype(np.float32))
+    return out
+
+
+def _group_scale(scale: np.ndarray[Any, Any] | None, first: int, count: int) -> Any:
+    """A group's feature scales (layer after layer, as ``group_features``), float64 torch
+    rounded through float32 (what the calibration stores), or None."""
+    import torch
+
+    if scale is None:
+        return None
+    return torch.from_numpy(scale[first : first + count].reshape(-1).astype(np.float64))
 
 
 def _fields(cal: Calibration) -> dict[str, Any]:
@@ -220,7 +296,7 @@ def _ranks(
 def _count_symbols(
     loaded: Loaded,
     prepared: list[tuple[torch.Tensor, ...]],
-    spans: list[tuple[int, int]],
+    spans: list[list[tuple[int, int]]],
 ) -> np.ndarray[Any, Any]:
     import torch
 
@@ -228,7 +304,7 @@ def _count_symbols(
     counts = symbols.empty_counts(nplanes)
     arrays = loaded.arrays(torch.device("cpu"))
     for p in range(nplanes):
-        for j, (first, n) in enumerate(spans):
+        for j, (first, n) in enumerate(spans[p]):
             dev = arrays[p][j]
             g = loaded.cal.planes[p].groups[j]
             if g.rank == 0:

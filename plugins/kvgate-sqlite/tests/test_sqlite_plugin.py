@@ -174,6 +174,46 @@ async def test_a_held_write_lock_times_out_reads_go_on_loop_stays_free(tmp_path:
         await conn.close()
 
 
+WRITER = """
+import asyncio, sys
+from kvgate_sqlite import SqliteConnector
+
+async def main() -> None:
+    conn = SqliteConnector.from_url(sys.argv[1])
+    await conn.put("k", b"old" * 1000)
+    print("ready", flush=True)
+    while True:  # large puts until killed: the kill lands inside one
+        await conn.put("k", bytes(256 << 20))
+
+asyncio.run(main())
+"""
+
+
+async def test_a_process_killed_mid_put_leaves_the_old_object(tmp_path: Path) -> None:
+    """SIGKILL of a writer inside its transaction: the next opener sees the last committed
+    object whole and a usage count that matches it (SQLite rolls the WAL back)."""
+    url = url_of(tmp_path / "t.db")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WRITER, url, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"ready\n"
+        await asyncio.sleep(0.3)
+    finally:
+        proc.kill()
+        await proc.wait()
+    conn = SqliteConnector.from_url(url)
+    try:
+        got = await conn.get("k")
+        assert got is not None
+        assert bytes(got) in (b"old" * 1000, bytes(256 << 20)), "a torn object"
+        assert conn.usage()[0] == len(got)
+        assert [(i.key, i.size) async for i in conn.list("")] == [("k", len(got))]
+    finally:
+        await conn.close()
+
+
 async def test_raw_client_baseline_measures_and_cleans_up(tmp_path: Path) -> None:
     path = tmp_path / "t.db"
     url = url_of(path)

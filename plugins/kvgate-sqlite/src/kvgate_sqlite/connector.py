@@ -179,6 +179,8 @@ class SqliteConnector(BaseConnector):
             # The same journal and sync settings as the connector's, so that the two differ
             # only in how they move the bytes.
             conn = sqlite3.connect(path, timeout=opts.busy_timeout, check_same_thread=False)
+            if conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()[0] == 0:
+                database.set_file_format(conn)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={opts.synchronous}")
             return conn

@@ -39,6 +39,7 @@ SCHEMA = (
     "INSERT OR IGNORE INTO usage VALUES (0, 0)",
 )
 LIST_PAGE = 1000
+PAGE_SIZE = 65536
 
 
 def encode_key(key: str) -> bytes:
@@ -93,6 +94,8 @@ def initialize(conn: sqlite3.Connection, path: Path) -> None:
             f"sqlite: {str(path)!r} is a database of something else; refusing to use it"
         )
     with errors_mapped("initialize"):
+        if tables == 0:
+            set_file_format(conn)
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise ConfigError(f"sqlite: {str(path)!r} cannot use WAL mode (got {mode!r})")
@@ -108,6 +111,14 @@ def initialize(conn: sqlite3.Connection, path: Path) -> None:
             if conn.in_transaction:  # SQLite may have rolled back already (SQLITE_FULL)
                 conn.execute("ROLLBACK")
             raise
+
+
+def set_file_format(conn: sqlite3.Connection) -> None:
+    """Large pages for a new file (before WAL mode fixes the page size): an object is a chain
+    of overflow pages that every write, read and delete walks, so 64 KiB pages make 16 times
+    fewer of them than the default 4 KiB."""
+    conn.execute(f"PRAGMA page_size={PAGE_SIZE}")
+    conn.execute("VACUUM")  # applies the page size to a file that exists but holds nothing
 
 
 def used_bytes(conn: sqlite3.Connection) -> int:

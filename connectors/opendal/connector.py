@@ -96,7 +96,9 @@ class OpendalConnector(BaseConnector):
             raise CapacityError(f"{self.scheme}: {size} bytes is over the {limit}-byte maximum")
         if self.atomic == "sealed":
             parts.append(memoryview(seal.trailer(parts)))
-        payload = parts[0] if len(parts) == 1 else b"".join(parts)
+        # bytes only: OpenDAL's binding takes bytes without a copy, but reads any other
+        # buffer (a memoryview, a bytearray) item by item, at well under 0.1 GB/s here.
+        payload = data if isinstance(data, bytes) and len(parts) == 1 else b"".join(parts)
         path = paths.path_of(key)
         timeout = self.settings.timeout
         with errors_mapped("put", timeout):
@@ -105,13 +107,13 @@ class OpendalConnector(BaseConnector):
                     await self._put_renamed(op, path, payload)
                 elif self.atomic == "sealed":
                     async with self._locks.hold(key):
-                        await op.write(path, payload)  # type: ignore[arg-type]
+                        await op.write(path, payload)
                 else:
-                    await op.write(path, payload)  # type: ignore[arg-type]
+                    await op.write(path, payload)
 
-    async def _put_renamed(self, op: opendal.AsyncOperator, path: str, payload: Buffer) -> None:
+    async def _put_renamed(self, op: opendal.AsyncOperator, path: str, payload: bytes) -> None:
         staging = f"{paths.STAGING}{uuid.uuid4().hex}"
-        await op.write(staging, payload)  # type: ignore[arg-type]
+        await op.write(staging, payload)
         try:
             parent = path.rpartition("/")[0]
             if parent and self._can_create_dir:  # a long key's segment folders
@@ -209,15 +211,16 @@ class OpendalConnector(BaseConnector):
         op: opendal.AsyncOperator | None = operator(settings)
         assert op is not None
         data = os.urandom(size)
-        base = f"kvgate-baseline-{uuid.uuid4().hex[:12]}/"
+        # Flat names: concurrent PUTs into one new folder race to create it on WebDAV.
+        names = [f"kvgate-baseline-{uuid.uuid4().hex[:12]}-{i}" for i in range(count)]
 
         async def put(i: int) -> None:
             assert op is not None
-            await op.write(f"{base}{i}", data)
+            await op.write(names[i], data)
 
         async def get(i: int) -> int:
             assert op is not None
-            return len(await op.read(f"{base}{i}"))
+            return len(await op.read(names[i]))
 
         try:
             with errors_mapped("baseline", settings.timeout):
@@ -225,6 +228,7 @@ class OpendalConnector(BaseConnector):
                     put, get, size=size, count=count, concurrency=concurrency
                 )
         finally:
-            with contextlib.suppress(Exception):
-                await op.remove_all(base)
+            for name in names:
+                with contextlib.suppress(*OPENDAL_ERRORS):
+                    await op.delete(name)
             op = None  # dropped before the interpreter exits (see close)

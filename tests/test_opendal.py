@@ -135,8 +135,8 @@ async def test_a_webdav_server_killed_mid_put_keeps_the_old_object(
     old = make_bytes(MiB, 1)
     try:
         await conn.put("victim", old)
-        put = asyncio.create_task(conn.put("victim", make_bytes(96 * MiB, 2)))
-        await asyncio.sleep(0.15)
+        put = asyncio.create_task(conn.put("victim", make_bytes(192 * MiB, 2)))
+        await asyncio.sleep(0.1)
         assert not put.done(), "the put finished before the kill: nothing was tested"
         webdav_private.process.kill()
         with pytest.raises((Unavailable, Timeout)):

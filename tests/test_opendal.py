@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
@@ -108,6 +109,26 @@ async def test_objects_over_the_maximum_are_refused(tmp_path: Path) -> None:
         assert not await conn.exists("k")
     finally:
         await conn.close()
+
+
+async def test_staging_leftovers_of_dead_puts_are_swept(tmp_path: Path) -> None:
+    staging = tmp_path / paths.STAGING
+    staging.mkdir()
+    (staging / "dead").write_bytes(b"x" * 100)
+    (staging / "live").write_bytes(b"y")
+    two_hours_ago = time.time() - 7200
+    os.utime(staging / "dead", (two_hours_ago, two_hours_ago))
+    conn = OpendalConnector.from_url(f"opendal+fs://{tmp_path}")
+    try:
+        await conn.put("k", b"v")  # the first put starts the sweep beside it
+        deadline = time.monotonic() + 10
+        while (staging / "dead").exists():
+            assert time.monotonic() < deadline, "the dead put's staging object is still there"
+            await asyncio.sleep(0.05)
+        assert await conn.get("k") == b"v"
+    finally:
+        await conn.close()
+    assert sorted(p.name for p in staging.iterdir()) == ["live"]
 
 
 async def test_rename_mode_on_webdav_round_trips(webdav_server: WebdavServer) -> None:

@@ -23,6 +23,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import opendal
@@ -37,6 +38,8 @@ from gateway.connector import BaseConnector, as_parts, read_limit
 from gateway.errors import CapacityError, ConfigError, CorruptObject, Unavailable
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
+STAGING_MAX_AGE = 3600.0
+"""Seconds after which a staging object is a dead put's leftover (no upload takes an hour)."""
 TORN_READ_TRIES = 6
 """Reads of a sealed object whose trailer does not match before it counts as corrupt (a
 writer rewriting it in place finishes within these and their backoff, ~0.6 s in all)."""
@@ -67,6 +70,7 @@ class OpendalConnector(BaseConnector):
         )
         self._can_create_dir = cap.create_dir
         self._locks = KeyLocks()
+        self._sweep: asyncio.Task[int] | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> OpendalConnector:
@@ -112,6 +116,8 @@ class OpendalConnector(BaseConnector):
                     await op.write(path, payload)
 
     async def _put_renamed(self, op: opendal.AsyncOperator, path: str, payload: bytes) -> None:
+        if self._sweep is None:
+            self._sweep = asyncio.create_task(self._sweep_staging(op))
         staging = f"{paths.STAGING}{uuid.uuid4().hex}"
         await op.write(staging, payload)
         try:
@@ -123,6 +129,26 @@ class OpendalConnector(BaseConnector):
             with contextlib.suppress(Exception):
                 await asyncio.shield(op.delete(staging))
             raise
+
+    async def _sweep_staging(self, op: opendal.AsyncOperator) -> int:
+        """Delete staging objects older than STAGING_MAX_AGE: what puts killed with their
+        process left behind (a live put's is younger). Once per connector, beside its first
+        put; a failure only leaves them for the next connector. Returns how many it deleted."""
+        cutoff = datetime.now(UTC) - timedelta(seconds=STAGING_MAX_AGE)
+        deleted = 0
+        try:
+            async with asyncio.timeout(self.settings.timeout):
+                async for entry in await op.list(paths.STAGING):
+                    modified = entry.metadata.last_modified
+                    if entry.path.endswith("/") or modified is None or modified > cutoff:
+                        continue
+                    await op.delete(entry.path)
+                    deleted += 1
+        except TimeoutError:
+            pass
+        except OPENDAL_ERRORS:
+            pass
+        return deleted
 
     async def get(self, key: str) -> Buffer | None:
         op = self._operator()
@@ -195,6 +221,10 @@ class OpendalConnector(BaseConnector):
         return True
 
     async def close(self) -> None:
+        if self._sweep is not None and not self._sweep.done():
+            self._sweep.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweep
         # Dropping the operator now matters: an AsyncOperator still alive when the
         # interpreter exits can abort the process (OpenDAL 0.47's runtime at finalization).
         self._op = None

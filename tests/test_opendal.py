@@ -36,19 +36,37 @@ def test_every_key_has_its_own_safe_path(key: str) -> None:
     assert paths.key_of(path) == key
     segments = path.split("/")
     assert all(0 < len(s) <= paths.SEGMENT + 1 for s in segments)
+    assert all(s.endswith("+") for s in segments[:-1])
     assert not any(s in (".", "..") or s.startswith(".") for s in segments)
 
 
 def test_paths_never_collide_and_foreign_names_are_not_keys() -> None:
     keys = [*ODD_KEYS, "a" * 200, "a" * 200 + "b", "a" * 400]
     assert len({paths.path_of(k) for k in keys}) == len(keys)
-    for foreign in ("plain.txt", ".kvgate-staging/abc", "a%2f", "a%ZZ", "x/y"):
+    for foreign in ("plain.txt", ".kvgate-staging/abc", "a%2f", "a%ZZ", "x/y", "x+/y"):
         assert paths.key_of(foreign) is None
 
 
 def test_a_prefixs_keys_live_under_its_list_root() -> None:
-    for prefix, key in [("", "k"), ("ab", "abc"), ("p" * 200, "p" * 250), ("q" * 450, "q" * 500)]:
+    cases = [("", "k"), ("ab", "abc"), ("p" * 200, "p" * 200), ("p" * 200, "p" * 250)]
+    cases += [("q" * 450, "q" * 500), ("r" * 400, "r" * 400), ("r" * 399, "r" * 401)]
+    for prefix, key in cases:
         assert paths.path_of(key).startswith(paths.list_root(prefix))
+
+
+async def test_a_key_and_its_longer_extension_at_a_segment_boundary(tmp_path: Path) -> None:
+    """A 200-character key is a file where a longer key that starts with it needs a folder."""
+    conn = OpendalConnector.from_url(f"opendal+fs://{tmp_path}")
+    keys = ["s" * 200, "s" * 200 + "t", "s" * 400, "s" * 400 + "u"]
+    try:
+        for key in keys:
+            await conn.put(key, key.encode())
+        for key in keys:
+            assert await conn.get(key) == key.encode()
+        assert sorted([i.key async for i in conn.list("s" * 200)]) == sorted(keys)
+        assert sorted([i.key async for i in conn.list("s" * 400)]) == keys[2:]
+    finally:
+        await conn.close()
 
 
 def test_urls_and_options_are_checked() -> None:

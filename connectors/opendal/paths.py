@@ -2,10 +2,10 @@
 
 A key's UTF-8 bytes are written with ``[A-Za-z0-9_-]`` as they are and every other byte as
 ``%XX``, so ``/``, ``.``, ``..``, NUL and ``%`` itself can never act as path syntax, and two
-keys never share a path. The name is cut into segments of SEGMENT characters (joined by
-``/``) so that long keys stay under file-name limits (255 bytes on most filesystems). Both
-steps keep prefixes: a key prefix's path is a string prefix of its keys' paths, which is what
-listing by prefix relies on. Nothing kvgate writes starts with ``.`` except its staging area.
+keys never share a path. The name is cut into segments of SEGMENT characters (folders marked
+with a ``+``) so that long keys stay under file-name limits (255 bytes on most filesystems);
+a prefix's keys all live below the folders of its full segments (``list_root``), which is
+what listing by prefix relies on. Nothing kvgate writes starts with ``.`` except its staging area.
 """
 
 from __future__ import annotations
@@ -29,15 +29,20 @@ def path_of(key: str) -> str:
 
 
 def segmented(name: str) -> str:
-    return "/".join(name[i : i + SEGMENT] for i in range(0, len(name), SEGMENT)) or name
+    """``name`` cut into segments; every segment but the last ends with ``+`` (never in an
+    encoded name), so a folder never has the name of a file: a key whose name is exactly
+    200 characters and a longer key that starts with it live side by side."""
+    chunks = [name[i : i + SEGMENT] for i in range(0, len(name), SEGMENT)] or [name]
+    return "".join(c + "+/" for c in chunks[:-1]) + chunks[-1]
 
 
 def key_of(path: str) -> str | None:
     """The key stored at ``path``, or None for a path kvgate would not have written."""
-    name = path.replace("/", "")
-    if not name or name.startswith(".") or encode_is_invalid(name):
+    segments = path.split("/")
+    if not all(seg.endswith("+") for seg in segments[:-1]):
         return None
-    if segmented(name) != path:
+    name = "".join(seg[:-1] for seg in segments[:-1]) + segments[-1]
+    if not name or encode_is_invalid(name) or segmented(name) != path:
         return None
     # Decode by walking the name: plain characters as themselves, escapes as their byte.
     out = bytearray()
@@ -61,8 +66,9 @@ def encode_is_invalid(name: str) -> bool:
 
 
 def list_root(prefix: str) -> str:
-    """The folder to list recursively for the keys under ``prefix``: the full segments of the
-    prefix's name (every key under the prefix lives below it)."""
+    """The folder to list recursively for the keys under ``prefix``: the folders of the
+    prefix's segments before its last one (a key equal to the prefix keeps the prefix's last
+    segment as its file name, so that one is never a folder to list)."""
     name = encode(prefix)
-    full = len(name) // SEGMENT * SEGMENT
-    return "".join(name[i : i + SEGMENT] + "/" for i in range(0, full, SEGMENT))
+    folders = max(0, (len(name) - 1) // SEGMENT)
+    return "".join(name[i * SEGMENT : (i + 1) * SEGMENT] + "+/" for i in range(folders))

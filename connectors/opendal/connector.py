@@ -119,8 +119,8 @@ class OpendalConnector(BaseConnector):
         if self._sweep is None:
             self._sweep = asyncio.create_task(self._sweep_staging(op))
         staging = f"{paths.STAGING}{uuid.uuid4().hex}"
-        await op.write(staging, payload)
         try:
+            await op.write(staging, payload)  # cut short, it may leave a partial object
             parent = path.rpartition("/")[0]
             if parent and self._can_create_dir:  # a long key's segment folders
                 await op.create_dir(parent + "/")

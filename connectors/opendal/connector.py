@@ -38,6 +38,8 @@ from gateway.connector import BaseConnector, as_parts, read_limit
 from gateway.errors import CapacityError, ConfigError, CorruptObject, Unavailable
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
+CLEANUP_TIMEOUT = 1.0
+"""Seconds a failed put spends deleting its staging object before it gives up."""
 STAGING_MAX_AGE = 3600.0
 """Seconds after which a staging object is a dead put's leftover (no upload takes an hour)."""
 TORN_READ_TRIES = 6
@@ -126,8 +128,11 @@ class OpendalConnector(BaseConnector):
                 await op.create_dir(parent + "/")
             await op.rename(staging, path)
         except BaseException:
+            # Bounded on its own: the put's deadline may be what ended it, and a stalled
+            # server must not hold the caller (a leftover is swept later; see _sweep_staging).
             with contextlib.suppress(Exception):
-                await asyncio.shield(op.delete(staging))
+                async with asyncio.timeout(min(self.settings.timeout, CLEANUP_TIMEOUT)):
+                    await asyncio.shield(op.delete(staging))
             raise
 
     async def _sweep_staging(self, op: opendal.AsyncOperator) -> int:

@@ -70,7 +70,15 @@ def _load(group: str, name: str, kind: str) -> Any:
 
 
 def connector_class(scheme: str) -> Any:
-    return _load(CONNECTOR_GROUP, scheme.lower(), "connector")
+    """The class registered for ``scheme``; a scheme ``family+variant`` that has no entry of
+    its own falls back to an entry named ``family+`` (a connector for a whole family of
+    schemes, such as ``opendal+`` for ``opendal+webdav``, ``opendal+ftp``, ...)."""
+    name = scheme.lower()
+    family = name.partition("+")[0] + "+"
+    eps = _entry_points(CONNECTOR_GROUP)
+    if "+" in name and name not in eps and family in eps:
+        name = family
+    return _load(CONNECTOR_GROUP, name, "connector")
 
 
 def codec_class(name: str) -> Any:

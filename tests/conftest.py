@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 import pytest
 from servers.azurite import azurite_server, azurite_server_private  # noqa: F401
 from servers.gcs_emulator import gcs_server, gcs_server_private  # noqa: F401
+from servers.ftp import ftp_server  # noqa: F401
 from servers.lmcache import lmcache_server  # noqa: F401
 from servers.memcached import memcached_factory, memcached_server  # noqa: F401
 from servers.mooncake import mooncake_cluster, mooncake_factory  # noqa: F401
@@ -18,6 +19,7 @@ from servers.redis import *  # noqa: F403 (its __all__: the Redis fixtures)
 from servers.s3 import s3_server, s3_server_private  # noqa: F401
 from servers.small_disk import small_disk  # noqa: F401
 from servers.valkey import valkey_cluster, valkey_server, valkey_tls_certs, valkey_tls_server  # noqa: F401
+from servers.webdav import webdav_private, webdav_server  # noqa: F401
 
 # -- event loops ----------------------------------------------------------------------------
 # `kvgate serve` runs on uvloop (the serve extra installs it), while pytest-asyncio's default

@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 
 import pytest
 from servers.azurite import azurite_server, azurite_server_private  # noqa: F401
-from servers.gcs_emulator import gcs_server, gcs_server_private  # noqa: F401
 from servers.ftp import ftp_server  # noqa: F401
+from servers.gcs_emulator import gcs_server, gcs_server_private  # noqa: F401
 from servers.lmcache import lmcache_server  # noqa: F401
 from servers.memcached import memcached_factory, memcached_server  # noqa: F401
 from servers.mooncake import mooncake_cluster, mooncake_factory  # noqa: F401

@@ -177,7 +177,7 @@ def test_missing_model_is_a_clear_usage_error(tmp_path: Path) -> None:
 def test_model_weights_for_kvtc_come_from_the_model(model: SmolLM2) -> None:
     from gateway.bench.smollm2_weights import smollm2_weights
 
-    keys, values = smollm2_weights(model, prefix_tokens=256, continuation_tokens=64)
+    keys, values = smollm2_weights(model, prefix_tokens=128, continuation_tokens=32)
     for w in (keys, values):
         assert w.shape == (LAYERS, KV_HEADS * HEAD_DIM)
         assert np.isfinite(w).all()

@@ -256,3 +256,28 @@ async def test_a_wrong_azure_key_is_refused_and_never_shown(azurite_server: Azur
             assert azurite_server.key not in shown
     finally:
         await conn.close()
+
+
+async def test_a_listing_stalled_between_pages_times_out(webdav_private: WebdavServer) -> None:
+    conn = OpendalConnector.from_url(webdav_private.url, **webdav_private.options(timeout=1.0))
+    try:
+        # Long keys live in segment folders, each listed by a request of its own as the
+        # listing reaches it: requests made after the first key came back.
+        keys = ["a", *(f"{c}" * 250 for c in "bcd")]
+        for key in keys:
+            await conn.put(key, b"v")
+        listing = conn.list()
+        await anext(listing)
+
+        async def the_rest() -> None:
+            async with asyncio.timeout(10):  # a hang fails here (TimeoutError, not Timeout)
+                async for _ in listing:
+                    pass
+
+        start = time.monotonic()
+        with webdav_private.process.paused(), pytest.raises(Timeout):
+            await the_rest()
+        assert time.monotonic() - start < 3.0
+        await listing.aclose()
+    finally:
+        await conn.close()

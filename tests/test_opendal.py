@@ -5,12 +5,14 @@ written behind the connector's back on FTP)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import time
 from pathlib import Path
 
 import pytest
+from servers.azurite import AzuriteServer
 from servers.ftp import FtpServer
 from servers.webdav import WebdavServer
 
@@ -237,3 +239,45 @@ async def test_raw_client_baseline_measures_and_cleans_up(webdav_server: WebdavS
     assert get_gbs > 0
     names = [p.name for p in (webdav_server.folder / "kvgate").iterdir()]
     assert not any(n.startswith("kvgate-baseline-") for n in names)
+
+
+async def test_a_wrong_azure_key_is_refused_and_never_shown(azurite_server: AzuriteServer) -> None:
+    wrong = base64.b64encode(b"not-the-account-key" * 3).decode()
+    conn = OpendalConnector.from_url(
+        f"opendal+azblob:///wrong-key-{os.getpid()}",
+        **azurite_server.opendal_options(account_key=wrong, atomic="native"),
+    )
+    try:
+        with pytest.raises(ConfigError) as refused:
+            await conn.put("k", b"v")
+        assert "PermissionDenied" in str(refused.value)
+        for shown in (str(refused.value), repr(conn)):
+            assert wrong not in shown
+            assert azurite_server.key not in shown
+    finally:
+        await conn.close()
+
+
+async def test_a_listing_stalled_between_pages_times_out(webdav_private: WebdavServer) -> None:
+    conn = OpendalConnector.from_url(webdav_private.url, **webdav_private.options(timeout=1.0))
+    try:
+        # Long keys live in segment folders, each listed by a request of its own as the
+        # listing reaches it: requests made after the first key came back.
+        keys = ["a", *(f"{c}" * 250 for c in "bcd")]
+        for key in keys:
+            await conn.put(key, b"v")
+        listing = conn.list()
+        await anext(listing)
+
+        async def the_rest() -> None:
+            async with asyncio.timeout(10):  # a hang fails here (TimeoutError, not Timeout)
+                async for _ in listing:
+                    pass
+
+        start = time.monotonic()
+        with webdav_private.process.paused(), pytest.raises(Timeout):
+            await the_rest()
+        assert time.monotonic() - start < 3.0
+        await listing.aclose()
+    finally:
+        await conn.close()

@@ -204,13 +204,20 @@ class OpendalConnector(BaseConnector):
         op = self._operator()
         root = paths.list_root(prefix)
         trailer = seal.SIZE if self.atomic == "sealed" else 0
-        with errors_mapped("list", self.settings.timeout):
+        timeout = self.settings.timeout
+        with errors_mapped("list", timeout):
             try:
-                async with asyncio.timeout(self.settings.timeout):
-                    entries = await op.list(root, recursive=True)
+                async with asyncio.timeout(timeout):
+                    entries = aiter(await op.list(root, recursive=True))
             except od.NotFound:
                 return
-            async for entry in entries:
+            while True:
+                # Each step under the timeout: the lister fetches its next page, or the next
+                # folder's entries, as it is iterated (never across the yield below).
+                async with asyncio.timeout(timeout):
+                    entry = await anext(entries, None)
+                if entry is None:
+                    return
                 if entry.path.endswith("/"):
                     continue
                 key = paths.key_of(entry.path)

@@ -1,12 +1,17 @@
 """The conformance suite on opendal+<service>:// against real servers: memory, fs, WebDAV
-(WsgiDAV) and FTP (pyftpdlib). OpenDAL 0.47's wheel has no sftp service, so SFTP is not run."""
+(WsgiDAV), FTP (pyftpdlib), Azure Blob (azurite) and GCS (gcp-storage-emulator); the last two
+on the same emulators as the native azure:// and gs:// (tests/conformance/test_azure.py,
+test_gcs.py). OpenDAL 0.47's wheel has no sftp service, so SFTP is not run."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
+from servers.azurite import AzuriteServer
 from servers.ftp import FtpServer
+from servers.gcs_emulator import GcsServer
 from servers.webdav import WebdavServer
 
 from connectors.opendal import OpendalConnector
@@ -52,5 +57,33 @@ class TestOpendalFtpConformance(ConnectorConformance):
     def connector_factory(self, ftp_server: FtpServer) -> ConnectorFactory:
         async def make() -> Connector:
             return OpendalConnector.from_url(ftp_server.url, **ftp_server.options())
+
+        return make
+
+
+class TestOpendalAzblobConformance(ConnectorConformance):
+    """Azure Blob cannot rename; a Put Blob replaces a blob whole, so ``atomic=native``."""
+
+    @pytest.fixture
+    def connector_factory(self, azurite_server: AzuriteServer) -> ConnectorFactory:
+        url = f"opendal+azblob:///conformance-{uuid.uuid4().hex[:8]}"
+        options = azurite_server.opendal_options(atomic="native")
+
+        async def make() -> Connector:
+            return OpendalConnector.from_url(url, **options)
+
+        return make
+
+
+class TestOpendalGcsConformance(ConnectorConformance):
+    """GCS cannot rename; an upload replaces an object whole, so ``atomic=native``."""
+
+    @pytest.fixture
+    def connector_factory(self, gcs_server: GcsServer) -> ConnectorFactory:
+        url = f"opendal+gcs:///conformance-{uuid.uuid4().hex[:8]}"
+        options = gcs_server.opendal_options(atomic="native")
+
+        async def make() -> Connector:
+            return OpendalConnector.from_url(url, **options)
 
         return make

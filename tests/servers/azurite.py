@@ -66,6 +66,16 @@ class AzuriteServer:
         """Connector options for this server (``extra`` overrides)."""
         return {"endpoint": self.endpoint, "account_key": self.key, **extra}
 
+    def opendal_options(self, **extra: Any) -> dict[str, Any]:
+        """``opendal+azblob:///<root>`` options for this server (``extra`` overrides)."""
+        return {
+            "endpoint": self.endpoint,
+            "account_name": self.account,
+            "account_key": self.key,
+            "container": self.container,
+            **extra,
+        }
+
     def start(self) -> None:
         self.process.start()
         _create_container(self)

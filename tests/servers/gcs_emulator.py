@@ -9,8 +9,11 @@ tests can and cannot show:
   to one generation is not exercised here;
 - one request at a time (``http.server.HTTPServer``, HTTP/1.0, a new connection per request):
   parallel parts and ranges are correct but not faster, and its speed says nothing about
-  GCS's. Its listen backlog (5) resets the connections of a few dozen parallel requests, so
-  the fixture starts it with a deeper one (``_LAUNCH``); nothing else of it is changed.
+  GCS's;
+- where it answers unlike GCS (a listen backlog of 5 that resets a few dozen parallel
+  connections; an upload without a Content-Type or with an empty body, as OpenDAL's gcs
+  service sends them), the fixture starts it through ``gcs_emulator_launch.py``, which fixes
+  those three and nothing else.
 
 ``gcs_server`` is shared by the session (each test uses its own prefix); ``gcs_server_private``
 is one of its own for a test that kills or stalls it. Data lives in memory.
@@ -50,6 +53,18 @@ class GcsServer:
     def options(self, **extra: Any) -> dict[str, Any]:
         return {"endpoint": self.endpoint, **extra}
 
+    def opendal_options(self, **extra: Any) -> dict[str, Any]:
+        """``opendal+gcs:///<root>`` options for this server: anonymous (the emulator checks
+        no credentials), and no looking for any in the environment or a VM's metadata."""
+        return {
+            "endpoint": self.endpoint,
+            "bucket": self.bucket,
+            "allow_anonymous": True,
+            "disable_vm_metadata": True,
+            "disable_config_load": True,
+            **extra,
+        }
+
     def start(self) -> None:
         self.process.start()
         _wait_for_bucket(self)
@@ -67,11 +82,8 @@ def _wait_for_bucket(server: GcsServer) -> None:
         assert json.load(resp)["name"] == server.bucket
 
 
-# The emulator's own entry point, with socketserver's listen backlog raised from 5.
-_LAUNCH = (
-    "import socketserver, sys; socketserver.TCPServer.request_queue_size = 512; "
-    "from gcp_storage_emulator.__main__ import main; main(sys.argv[1:])"
-)
+_LAUNCH = Path(__file__).with_name("gcs_emulator_launch.py")
+"""The emulator's own entry point with what it answers unlike GCS fixed (see that file)."""
 
 
 def make_server(root: Path) -> GcsServer:
@@ -79,8 +91,8 @@ def make_server(root: Path) -> GcsServer:
     port = free_port()
     argv = [
         sys.executable,
-        "-c",
-        _LAUNCH,
+        "-P",  # tests/servers/ not on sys.path: its modules would shadow packages
+        str(_LAUNCH),
         "start",
         "--host",
         "127.0.0.1",

@@ -149,14 +149,16 @@ async def test_a_cancelled_composed_put_leaves_no_object_and_no_parts(
     conn = gcs(gcs_server, prefix, **{**SMALL, "max_concurrency": 1})
     put = asyncio.create_task(conn.put("big", make_bytes(8 * MiB, seed=5)))
     deadline = time.monotonic() + 10
-    while not object_names(gcs_server, f"{prefix}/"):  # the first parts are there
+    # In a thread: the emulator serves one request at a time, so a blocking call from this
+    # loop while it waits for the connector's upload body (sent by this loop) would deadlock.
+    while not await asyncio.to_thread(object_names, gcs_server, f"{prefix}/"):
         assert time.monotonic() < deadline, "no part was ever uploaded"
         await asyncio.sleep(0.01)
     put.cancel()
     with pytest.raises(asyncio.CancelledError):
         await put
     await conn.close()  # waits for the parts' deletion, which runs in the background
-    assert object_names(gcs_server, f"{prefix}/") == []
+    assert await asyncio.to_thread(object_names, gcs_server, f"{prefix}/") == []
 
 
 # -- faults --------------------------------------------------------------------------------------

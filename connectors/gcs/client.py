@@ -66,9 +66,12 @@ class GcsClient:
         return (await self.storage()).session
 
     async def headers(self) -> dict[str, str]:
-        """The credential's header (none for an emulator)."""
+        """The credential's header (none for an emulator). A token refresh is a network call:
+        it gets its own ``request_timeout`` (TimeoutError, mapped by the caller's
+        ``gcs_errors``), so a call never waits longer than twice that."""
         storage = await self.storage()
-        return await storage._headers()
+        async with asyncio.timeout(self.options.request_timeout):
+            return await storage._headers()
 
     def object_url(self, name: str) -> str:
         return f"{self.root}/storage/v1/b/{self.bucket}/o/{quote(name, safe='')}"

@@ -18,8 +18,8 @@ with each element moves bits to where an error shows end to end:
   ``gateway.bench.kv_sensitivity``). Keys and values are then in one unit, so they share one
   step (``fit(..., shared_step=True)``).
 
-Measured on SmolLM2-135M (README, kvtc): at the same ratio, query weights alone cut the
-end-to-end KL by about a third, and layer sensitivities on top of them [see README].
+Measured on SmolLM2-135M (README, ``kvtc``): unweighted, one PCA per 3 layers stored 5.7x at
+KIVI-4's end-to-end KL; with these weights, 7.9x (10.2x at twice that KL).
 """
 
 from __future__ import annotations

@@ -61,3 +61,16 @@ def test_calibrate_needs_exactly_one_source(tmp_path: Path) -> None:
     result = runner.invoke(app, ["calibrate", str(tmp_path / "x")])
     assert result.exit_code == 2
     assert "exactly one" in result.output
+
+
+def test_model_weights_need_a_model_sample(tmp_path: Path) -> None:
+    chunks = {"c0": correlated_kv(64, 0, seed=300)}
+    save_file(chunks, str(tmp_path / "chunks.safetensors"))
+    args = ["calibrate", str(tmp_path / "x"), "--chunks", str(tmp_path / "chunks.safetensors")]
+    result = runner.invoke(app, [*args, "--weights", "model"])
+    assert result.exit_code == 2
+    assert "needs a model" in result.output
+    result = runner.invoke(app, [*args, "--weights", "heavy"])
+    assert result.exit_code == 2
+    assert "--weights must be one of" in result.output
+    assert not (tmp_path / "x").exists()

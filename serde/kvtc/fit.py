@@ -15,6 +15,11 @@ when the energy is concentrated (the post-RoPE key plane is not truncated, see
 ``POST_ROPE``). ``max_basis_bytes`` caps it further: the weakest components
 over all groups go first (the error then exceeds the target).
 
+With ``weights`` (``serde.kvtc.weights``) all of this happens in a weighted metric: features
+are scaled by the roots of the weights before the PCA (the scales are stored and folded into
+the transform), and with ``shared_step`` keys and values get one step budgeted on their joint
+weighted energy, so the allocation between them, and between layers, follows the weights.
+
 Tables: the calibration chunks are coded once with the fitted basis and step, and the symbol
 counts per (plane, class) become the static tables (``serde.kvtc.symbols``).
 """

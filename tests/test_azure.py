@@ -317,7 +317,7 @@ async def test_a_stalled_server_times_out(
                 start = time.monotonic()
                 with pytest.raises(Timeout):
                     await call()
-                assert time.monotonic() - start < 2.0
+                assert time.monotonic() - start < 6.0  # 0.5 s against a pause with no end
         assert await conn.get("k") in (b"v", b"w")  # the server answers again
     finally:
         await conn.close()

@@ -160,7 +160,7 @@ async def test_a_silent_server_is_a_timeout(silent_port: int) -> None:
     start = time.monotonic()
     with pytest.raises(Timeout):
         await conn.get("k")
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 5.0  # 0.3 s, against a silence with no end (room for load)
     await conn.close()
 
 

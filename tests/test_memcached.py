@@ -437,7 +437,7 @@ async def test_stopped_server_times_out_then_recovers(memcached_factory: StartSe
                 with pytest.raises(Timeout):
                     await call
                 # A failed put also tries to remove its parts: a second timeout at most.
-                assert time.monotonic() - started < 2 * 0.5 + 1.0
+                assert time.monotonic() - started < 2 * 0.5 + 4.0  # the server never answers
         finally:
             os.kill(pid, signal.SIGCONT)
         assert_same_bytes(await c.get("before"), data)
@@ -449,7 +449,7 @@ async def test_stopped_server_times_out_then_recovers(memcached_factory: StartSe
 
 async def test_killed_server_is_unavailable_then_back(memcached_factory: StartServer) -> None:
     server = memcached_factory(memory_mb=256)
-    c = MemcachedConnector.from_url(server.url, item_limit="64MiB", timeout=5)
+    c = MemcachedConnector.from_url(server.url, item_limit="64MiB", timeout=30)
     data = make_bytes(64 * MiB)
     try:
         await c.put("big", data)
@@ -462,7 +462,7 @@ async def test_killed_server_is_unavailable_then_back(memcached_factory: StartSe
             assert_same_bytes(got, data)
         except Unavailable:
             pass
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 10.0  # the kill is noticed, not the 30 s timeout
         with pytest.raises(Unavailable):
             await c.get("big")
         server.process.start()
@@ -529,7 +529,7 @@ async def test_silent_server_times_out() -> None:
             started = time.monotonic()
             with pytest.raises(Timeout):
                 await c.get("k")
-            assert time.monotonic() - started < 1.5
+            assert time.monotonic() - started < 5.0  # 0.3 s, against a silence with no end
         finally:
             await c.close()
 

@@ -201,7 +201,7 @@ async def test_a_stalled_webdav_server_times_out_then_serves_again(
                 start = time.monotonic()
                 with pytest.raises(Timeout):
                     await call
-                assert time.monotonic() - start < 3.0
+                assert time.monotonic() - start < 8.0  # 1 s against a pause with no end
         got = await conn.get("k")
         assert got is not None
         assert bytes(got) in (b"value", b"other")
@@ -277,7 +277,7 @@ async def test_a_listing_stalled_between_pages_times_out(webdav_private: WebdavS
         start = time.monotonic()
         with webdav_private.process.paused(), pytest.raises(Timeout):
             await the_rest()
-        assert time.monotonic() - start < 3.0
+        assert time.monotonic() - start < 8.0
         await listing.aclose()
     finally:
         await conn.close()

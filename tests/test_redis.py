@@ -563,7 +563,7 @@ async def test_fast_path_failures_are_mapped_and_stop_writing_into_the_buffer(
     start = time.monotonic()
     with pytest.raises(Timeout, match="no reply"):
         await _fast_get(conn, b"stall", dst)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0  # 0.3 s, against a stall with no end (room for load)
     task = asyncio.create_task(_fast_get(conn, b"stall", dst))
     await asyncio.sleep(0.05)  # "01234" arrives meanwhile
     task.cancel()

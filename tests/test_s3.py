@@ -395,7 +395,7 @@ async def test_a_stalled_server_times_out(s3_server: S3Server, prefix: str) -> N
                 start = time.monotonic()
                 with pytest.raises(Timeout):
                     await call()
-                assert time.monotonic() - start < 2.0
+                assert time.monotonic() - start < 6.0  # 0.5 s against a stall with no end
             proxy.resume()
             proxy.cut()
             assert await conn.get("k") in (b"v", b"w")  # fresh connections work again

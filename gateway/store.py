@@ -424,11 +424,22 @@ class Store:
             raise failed[0]
 
     async def put_many(
-        self, items: Iterable[tuple[KeyLike, object]], *, durable: bool = False
+        self,
+        items: Iterable[tuple[KeyLike, object]],
+        *,
+        fmt: int = MemoryFormat.UNDEFINED,
+        durable: bool = False,
+        positions: Iterable[int | None] | None = None,
     ) -> None:
-        """``put`` of each item in turn; durable: each returns once every tier holds it."""
-        for key, obj in items:
-            await self.put(key, obj, durable=durable)
+        """``put`` of each item in turn, all in memory format ``fmt``; durable: each returns
+        once every tier holds it. ``positions``: each item's start in its token sequence (see
+        ``put``), one per item."""
+        listed = list(items)
+        starts: list[int | None] = [None] * len(listed) if positions is None else list(positions)
+        if len(listed) != len(starts):
+            raise InvalidObject(f"{len(listed)} items but {len(starts)} positions")
+        for (key, obj), position in zip(listed, starts, strict=True):
+            await self.put(key, obj, fmt=fmt, durable=durable, position=position)
 
     # -- get -------------------------------------------------------------------------------
 

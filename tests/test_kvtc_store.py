@@ -12,11 +12,16 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from kvtc_data import ROPE, calibration_chunks, correlated_kv
+from servers.asgi import serve
 
 from gateway import Store
+from gateway.frame import decode_frame
+from gateway.http.app import create_app
+from gateway.registry import connect
 from gateway.types import MemoryFormat
 from serde.kvtc import registry
 from serde.kvtc.fit import fit
@@ -161,3 +166,56 @@ async def test_kvtc_in_a_codec_chain(tmp_path: Path, cal_file: tuple[Path, str])
     async with Store(config(tmp_path, "raw")) as store:
         assert close_to(await store.get("chained"), kv)
         assert store.stats()["file"].corrupt == 0
+
+
+# -- the start position reaches the codec from every way in ---------------------------------
+
+
+async def stored_position(root: Path, key: str) -> int | None:
+    """The start position the frame under ``key`` in the file tier at ``root`` records."""
+    conn = connect(f"file://{root}")
+    try:
+        blob = await conn.get(key)
+    finally:
+        await conn.close()
+    assert blob is not None, f"no frame under {key!r}"
+    header, _ = decode_frame(blob)
+    assert header.codec == "kvtc"
+    pos = header.params.get("pos")
+    assert pos is None or isinstance(pos, int)
+    return pos
+
+
+async def test_put_many_passes_each_items_position(
+    tmp_path: Path, cal_file: tuple[Path, str]
+) -> None:
+    chunks = [(f"many{i}", correlated_kv(64, 64 * i, seed=60 + i)) for i in range(3)]
+    async with Store(config(tmp_path, calibration=str(cal_file[0]))) as store:
+        await store.put_many(chunks, fmt=F.KV_2LTD, positions=[0, 64, None])
+        with pytest.raises(ValueError, match="3 items but 2 positions"):
+            await store.put_many(chunks, fmt=F.KV_2LTD, positions=[0, 64])
+    assert [await stored_position(tmp_path, key) for key, _ in chunks] == [0, 64, None]
+
+
+async def test_the_http_position_header_reaches_the_codec(
+    tmp_path: Path, cal_file: tuple[Path, str]
+) -> None:
+    kv = correlated_kv(64, 320, seed=70)
+    head = {"x-kvgate-kind": "tensor", "x-kvgate-dtype": "float16", "x-kvgate-format": "1"}
+    head["x-kvgate-shape"] = ",".join(map(str, kv.shape))
+    body = kv.numpy().tobytes()
+    app = create_app(config(tmp_path, calibration=str(cal_file[0])))
+    async for url in serve(app):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            for key, extra in (("at320", {"x-kvgate-position": "320"}), ("unknown", {})):
+                put = await client.put(f"/v1/objects/{key}", content=body, headers=head | extra)
+                assert put.status_code == 204, put.text
+            for bad in ("-1", "1.5", "x", "0x10", "1" * 40):
+                put = await client.put(
+                    "/v1/objects/bad", content=body, headers=head | {"x-kvgate-position": bad}
+                )
+                assert put.status_code == 400, bad
+                assert "x-kvgate-position" in put.json()["detail"]
+            assert (await client.post("/v1/flush")).status_code < 300
+    assert await stored_position(tmp_path, "at320") == 320
+    assert await stored_position(tmp_path, "unknown") is None

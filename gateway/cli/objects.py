@@ -146,6 +146,10 @@ def put(
     kind: Annotated[str | None, typer.Option(help="tensor, ndarray or bytes")] = None,
     fmt: Annotated[int | None, typer.Option("--format", help="LMCache memory format")] = None,
     ttl: Annotated[float | None, typer.Option(help="seconds until the object expires")] = None,
+    position: Annotated[
+        int | None,
+        typer.Option(min=0, help="a KV chunk's first token index (kvtc undoes RoPE with it)"),
+    ] = None,
     url: Url = DEFAULT_URL,
     token: Token = None,
     timeout: Timeout = 300.0,
@@ -164,6 +168,8 @@ def put(
             headers[f"x-kvgate-{name}"] = str(value)
     if ttl is not None:
         headers["x-kvgate-ttl"] = str(ttl)
+    if position is not None:
+        headers["x-kvgate-position"] = str(position)
     with contextlib.ExitStack() as stack:
         if file == "-":
             data = sys.stdin.buffer.read()  # its length must be known before sending

@@ -53,6 +53,7 @@ FRAME_TYPE = "application/vnd.kvgate.frame"
 FRAMES_TYPE = "application/vnd.kvgate.frames"
 H_KIND, H_DTYPE, H_SHAPE = "x-kvgate-kind", "x-kvgate-dtype", "x-kvgate-shape"
 H_FORMAT, H_TTL = "x-kvgate-format", "x-kvgate-ttl"
+H_POSITION = "x-kvgate-position"
 H_CODEC, H_CODEC_OPTIONS = "x-kvgate-codec", "x-kvgate-codec-options"
 M = TypeVar("M", bound=BaseModel)
 MAX_CODECS = 32  # codec instances kept per (name, options); a bound, not a tuning knob
@@ -187,6 +188,17 @@ def parse_ttl(text: str | None) -> float | None:
         return check_ttl(float(text))
     except (ValueError, InvalidObject):  # float() raises ValueError, check_ttl InvalidObject
         raise BadRequest(f"bad {H_TTL} header {text[:40]!r}: seconds, finite and > 0") from None
+
+
+def parse_position(text: str | None) -> int | None:
+    """``x-kvgate-position``: where a KV chunk starts in its token sequence (codecs such as
+    kvtc undo RoPE on keys with it); absent is unknown."""
+    if text is None:
+        return None
+    stripped = text.strip()
+    if not stripped.isdigit() or not stripped.isascii() or len(stripped) > 18:
+        raise BadRequest(f"bad {H_POSITION} header {text[:40]!r}: a token index, an int >= 0")
+    return int(stripped)
 
 
 def parse_format(text: str | None) -> int:

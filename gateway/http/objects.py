@@ -26,6 +26,7 @@ from gateway.http.body import (
     meta_headers,
     object_of,
     parse_format,
+    parse_position,
     parse_ttl,
     read_body,
     read_json,
@@ -39,6 +40,7 @@ from gateway.types import Buffer
 
 OCTETS = "application/octet-stream"
 DURABLE_HEADER = "true: answer only once every tier holds the object (default false)"
+POSITION_HEADER = "where the KV chunk starts in its token sequence (kvtc undoes RoPE with it)"
 
 
 def parse_durable(value: str | None) -> bool:
@@ -166,6 +168,7 @@ def object_router() -> APIRouter:
         x_kvgate_format: Annotated[Str, Header(description="LMCache memory format")] = None,
         x_kvgate_ttl: Annotated[Str, Header(description="seconds to keep the object")] = None,
         x_kvgate_durable: Annotated[Str, Header(description=DURABLE_HEADER)] = None,
+        x_kvgate_position: Annotated[Str, Header(description=POSITION_HEADER)] = None,
     ) -> Response:
         """Store an object (204: in the first tier; with x-kvgate-durable: true or the store's
         write_policy through, in every tier). Plain bytes or, with the frame media type, a
@@ -174,6 +177,7 @@ def object_router() -> APIRouter:
         durable = parse_durable(x_kvgate_durable)
         ttl = parse_ttl(x_kvgate_ttl)
         fmt = parse_format(x_kvgate_format)
+        position = parse_position(x_kvgate_position)
         media = (content_type or OCTETS).partition(";")[0].strip().lower()
         if media not in (OCTETS, FRAME_TYPE):
             raise BadRequest(f"Content-Type must be {OCTETS} or {FRAME_TYPE}, not {media!r}")
@@ -185,7 +189,7 @@ def object_router() -> APIRouter:
                 fmt = header.fmt
             else:
                 obj = object_of(body, x_kvgate_kind, x_kvgate_dtype, x_kvgate_shape)
-            await state.store.put(key, obj, fmt=fmt, ttl=ttl, durable=durable)
+            await state.store.put(key, obj, fmt=fmt, ttl=ttl, durable=durable, position=position)
         finally:
             body.release()  # the store copied the object before put returned
         return Response(status_code=204)

@@ -131,8 +131,9 @@ class StoreThread:
             self._note("lookup", "kvgate: a lookup failed, counted as a miss: %s", exc)
             return 0
 
-    def put_later(self, key: str, obj: object) -> bool:
-        """Hand ``obj`` over to be stored; False (and counted) when too many are pending."""
+    def put_later(self, key: str, obj: object, position: int | None = None) -> bool:
+        """Hand ``obj`` over to be stored; False (and counted) when too many are pending.
+        ``position``: the chunk's first token index (for codecs that undo RoPE, see Store.put)."""
         with self._idle:
             if self._pending >= self.max_pending:
                 self.skipped_saves += 1
@@ -143,7 +144,7 @@ class StoreThread:
         if full:
             self._note("skip", "kvgate: %d saves pending, a chunk was not saved", self.max_pending)
             return False
-        future = asyncio.run_coroutine_threadsafe(self._put(key, obj), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._put(key, obj, position), self._loop)
         future.add_done_callback(self._put_done)
         return True
 
@@ -156,9 +157,9 @@ class StoreThread:
     def pending_saves(self) -> int:
         return self._pending
 
-    async def _put(self, key: str, obj: object) -> None:
+    async def _put(self, key: str, obj: object, position: int | None) -> None:
         try:
-            await self._bounded(self.store.put(key, obj))
+            await self._bounded(self.store.put(key, obj, position=position))
         except (GatewayError, TimeoutError) as exc:
             self.failed_saves += 1
             self._note("save", "kvgate: a save failed: %s", exc)

@@ -76,5 +76,6 @@ class PagedWorker:
             return
         for move in moves:
             chunk = gather(self.caches, layout, move.block_ids)
-            if self.bridge.put_later(self.key(move.chunk_hash), chunk):
+            position = move.index * self.chunk_size  # the chunk's first token
+            if self.bridge.put_later(self.key(move.chunk_hash), chunk, position):
                 self.saved_chunks += 1

@@ -15,6 +15,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,6 +96,27 @@ async def test_a_missing_bucket_is_named(gcs_server: GcsServer) -> None:
         for call in (lambda: conn.get("k"), lambda: conn.put("k", b"v"), conn.ping):
             with pytest.raises(ConfigError, match=bucket):
                 await call()
+    finally:
+        await conn.close()
+
+
+async def test_an_unreadable_credentials_file_is_a_config_error_naming_it(
+    gcs_server: GcsServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "no-such-service-account.json"
+    conn = GcsConnector.from_url(
+        gcs_server.url(prefix), endpoint=gcs_server.endpoint, service_file=str(missing)
+    )
+    try:
+        with pytest.raises(ConfigError, match="no-such-service-account"):
+            await conn.put("k", b"v")
+    finally:
+        await conn.close()
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(missing))
+    conn = GcsConnector.from_url(gcs_server.url(prefix), endpoint=gcs_server.endpoint)
+    try:
+        with pytest.raises(ConfigError, match="no-such-service-account"):
+            await conn.get("k")
     finally:
         await conn.close()
 

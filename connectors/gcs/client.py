@@ -9,7 +9,10 @@ a download whose headers give size and generation): ``url``, ``headers`` and ``s
 from __future__ import annotations
 
 import asyncio
+import io
+import os
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -19,6 +22,20 @@ from gcloud.aio.storage import Storage
 from connectors.gcs.config import GcsOptions, Location, api_root
 from connectors.gcs.errors import gcs_errors, is_missing
 from gateway.errors import ConfigError
+
+
+async def credentials_file(service_file: str | None) -> io.StringIO | None:
+    """The service file (or ``GOOGLE_APPLICATION_CREDENTIALS``'s) read in a worker thread, so
+    that gcloud-aio-auth, which reads it in ``Storage()``, does not read a file on the loop.
+    None: no file named; gcloud-aio-auth then looks for the gcloud SDK's own (a small read)."""
+    path = service_file or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if not path:
+        return None
+    try:
+        text = await asyncio.to_thread(Path(path).read_text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"GCS credentials file {path!r}: {exc.strerror or exc}") from None
+    return io.StringIO(text)
 
 
 class GcsClient:
@@ -38,7 +55,7 @@ class GcsClient:
         async with self._lock:
             if self._storage is None:
                 storage = Storage(
-                    service_file=self.options.service_file,
+                    service_file=await credentials_file(self.options.service_file),
                     api_root=self.root,
                     api_is_dev=self.emulated,
                 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sqlite3
@@ -226,3 +227,28 @@ async def test_raw_client_baseline_measures_and_cleans_up(tmp_path: Path) -> Non
         tables = check.execute("SELECT name FROM sqlite_schema WHERE type='table'").fetchall()
     check.close()
     assert tables == []
+
+
+async def test_a_cancelled_put_never_stores_bytes_written_after_it_returned(
+    tmp_path: Path,
+) -> None:
+    """A Store reuses a put's buffer once the put returns, cancelled or not: the writer thread
+    must be done reading it by then, so the key holds the old value or the whole new one."""
+    conn = SqliteConnector.from_url(url_of(tmp_path / "t.db"), max_object_size="512MiB")
+    try:
+        original = make_bytes(64 * MiB, seed=5)
+        for delay in (0.001, 0.01, 0.05):
+            buffer = bytearray(original)
+            put = asyncio.create_task(conn.put("k", memoryview(buffer)))
+            await asyncio.sleep(delay)
+            put.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await put
+            buffer[:] = bytes(len(buffer))  # what a reused buffer holds next
+            await conn.put("after", b"x")  # one writer thread: the cancelled put is over now
+            got = await conn.get("k")
+            if got is not None:
+                assert_same_bytes(got, original, f"cancelled after {delay} s")
+            await conn.delete("k")
+    finally:
+        await conn.close()

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 from gateway.client_baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector, as_parts, read_limit
 from gateway.errors import CapacityError, Unavailable
+from gateway.thread_jobs import in_thread
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 from kvgate_sqlite import database
 from kvgate_sqlite.options import SqliteOptions, parse_options, parse_url
@@ -51,9 +52,11 @@ class _Threads:
         return conn
 
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``fn(connection)`` in a thread. A cancelled caller still waits for a started call
+        to end (``in_thread``): a put's thread reads the caller's buffers, which the caller
+        reuses once this returns."""
         async with self.slots:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.pool, lambda: fn(self.connection()))
+            return await in_thread(self.pool, lambda: fn(self.connection()))
 
     def shutdown(self) -> None:
         """Blocking: waits for running calls, then closes every connection."""

@@ -9,7 +9,9 @@ Behaviour every connector must have (``gateway.testing`` checks it on a real bac
   concatenation is the object; the connector must not keep references to it after returning.
 - ``exists`` / ``delete`` report whether the key was present.
 - ``close()`` releases clients and threads; calling it twice is harmless.
-- Blocking client libraries run in ``asyncio.to_thread`` inside the connector.
+- Blocking client libraries run in a thread inside the connector, through
+  ``gateway.thread_jobs.in_thread`` when the thread reads the caller's buffers: a cancelled
+  caller must still wait for it (``asyncio.to_thread`` does not), since it may reuse them.
 
 Keys are arbitrary non-empty strings (LMCache key strings, ``str`` keys of users); a connector
 maps them to whatever its backend allows, without collisions and without path traversal.

@@ -100,10 +100,20 @@ async def test_the_registry_resolves_every_service_through_one_entry() -> None:
         try:
             assert isinstance(conn, OpendalConnector)
             assert conn.scheme == "opendal+memory"
-            assert conn.atomic == "sealed"  # memory cannot rename: the capability decides
+            assert conn.atomic == "native"  # an in-process map's insert is whole
             assert conn.capabilities.persistent is False
         finally:
             await conn.close()
+    for url, options, atomic in [
+        ("opendal+azblob:///r", {"container": "c", "endpoint": "http://127.0.0.1:1"}, "native"),
+        ("opendal+gcs:///r", {"bucket": "b", "endpoint": "http://127.0.0.1:1"}, "native"),
+        ("opendal+s3:///r", {"bucket": "b", "region": "us-east-1"}, "native"),
+        ("opendal+fs:///tmp", {}, "rename"),
+        ("opendal+ftp:///r", {"endpoint": "ftp://127.0.0.1:1"}, "sealed"),
+    ]:
+        conn = connect(url, **options)
+        assert conn.atomic == atomic, url  # an object store's PUT is whole: no trailer
+        await conn.close()
     conn = connect("opendal+fs:///tmp", atomic="native")
     assert conn.capabilities.persistent is True
     assert conn.capabilities.list is True

@@ -12,8 +12,9 @@ kvgate's own options, next to the service's:
 - ``atomic``: how a put becomes atomic (see ``connector.py``): ``rename`` (write a staging
   object, rename it over the key; needs OpenDAL's ``rename`` capability), ``sealed`` (each
   object carries a length and checksum trailer; a reader retries a torn read), ``native``
-  (the service's writes are atomic already, such as an object store's PUT). Default: rename
-  where the service can, else sealed;
+  (the service's writes are atomic already, such as an object store's PUT). Default: native
+  for the services in ``WHOLE_WRITES`` (in-process maps and object stores), else rename where
+  the service can, else sealed;
 - ``max_object_size``: the largest object, at most what OpenDAL says the service takes.
 """
 
@@ -35,6 +36,9 @@ Atomic = Literal["rename", "sealed", "native"]
 OWN_OPTIONS = ("timeout", "atomic", "max_object_size")
 SECRET = re.compile(r"password|secret|token|key|sas|credential", re.IGNORECASE)
 IN_PROCESS = frozenset({"memory", "moka", "mini-moka", "mini_moka", "dashmap"})
+WHOLE_WRITES = IN_PROCESS | {"s3", "azblob", "gcs", "oss", "cos", "obs"}
+"""Services whose write is visible only whole, once it is closed: an in-process map's insert,
+an object store's PUT (and its multipart or block-list or resumable upload, committed last)."""
 """Services whose objects live in this process only (not ``persistent``)."""
 
 

@@ -10,8 +10,10 @@ the event loop). Capabilities come from OpenDAL's capability data: ``list`` from
 - ``sealed``: the service can neither rename nor write atomically (FTP), so each object
   carries a trailer (``seal.py``) and a reader that catches a write half-done reads again;
   puts of one key in this process are serialized (two STORs of one file would interleave);
-- ``native``: the service's writes are atomic already (memory, object stores); chosen with
-  the ``atomic`` option, which overrides the default for any service.
+- ``native``: the service's writes are atomic already (memory, object stores: the default for
+  ``WHOLE_WRITES``).
+
+The ``atomic`` option overrides the default for any service.
 
 Keys map to paths with ``paths.py``. Every call runs under the ``timeout`` option.
 """
@@ -31,7 +33,14 @@ import opendal.exceptions as od
 
 from connectors.fs.keylocks import KeyLocks
 from connectors.opendal import paths, seal
-from connectors.opendal.config import IN_PROCESS, PREFIX, OpendalSettings, parse
+from connectors.opendal.config import (
+    IN_PROCESS,
+    PREFIX,
+    WHOLE_WRITES,
+    Atomic,
+    OpendalSettings,
+    parse,
+)
 from connectors.opendal.errors import OPENDAL_ERRORS, errors_mapped, mapped
 from gateway.client_baseline import timed_put_get
 from gateway.connector import BaseConnector, as_parts, read_limit
@@ -54,12 +63,19 @@ def operator(settings: OpendalSettings) -> opendal.AsyncOperator:
         raise ConfigError(str(mapped(exc, f"{settings.service} operator"))) from None
 
 
+def default_atomic(service: str, can_rename: bool) -> Atomic:
+    """How puts are made atomic on ``service`` unless the ``atomic`` option says."""
+    if service in WHOLE_WRITES:
+        return "native"
+    return "rename" if can_rename else "sealed"
+
+
 class OpendalConnector(BaseConnector):
     def __init__(self, settings: OpendalSettings) -> None:
         self.settings = settings
         self._op: opendal.AsyncOperator | None = operator(settings)
         cap = self._op.capability()
-        self.atomic = settings.atomic or ("rename" if cap.rename else "sealed")
+        self.atomic = settings.atomic or default_atomic(settings.service, cap.rename)
         if self.atomic == "rename" and not cap.rename:
             raise ConfigError(f"opendal {settings.service}: atomic=rename, but it cannot rename")
         limits = [n for n in (cap.write_total_max_size, settings.max_object_size) if n]

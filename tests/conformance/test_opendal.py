@@ -62,12 +62,13 @@ class TestOpendalFtpConformance(ConnectorConformance):
 
 
 class TestOpendalAzblobConformance(ConnectorConformance):
-    """Azure Blob cannot rename; a Put Blob replaces a blob whole, so ``atomic=native``."""
+    """Azure Blob cannot rename; a Put Blob replaces a blob whole: ``atomic=native``, the
+    default for object stores."""
 
     @pytest.fixture
     def connector_factory(self, azurite_server: AzuriteServer) -> ConnectorFactory:
         url = f"opendal+azblob:///conformance-{uuid.uuid4().hex[:8]}"
-        options = azurite_server.opendal_options(atomic="native")
+        options = azurite_server.opendal_options()
 
         async def make() -> Connector:
             return OpendalConnector.from_url(url, **options)
@@ -76,12 +77,13 @@ class TestOpendalAzblobConformance(ConnectorConformance):
 
 
 class TestOpendalGcsConformance(ConnectorConformance):
-    """GCS cannot rename; an upload replaces an object whole, so ``atomic=native``."""
+    """GCS cannot rename; an upload replaces an object whole: ``atomic=native``, the
+    default for object stores."""
 
     @pytest.fixture
     def connector_factory(self, gcs_server: GcsServer) -> ConnectorFactory:
         url = f"opendal+gcs:///conformance-{uuid.uuid4().hex[:8]}"
-        options = gcs_server.opendal_options(atomic="native")
+        options = gcs_server.opendal_options()
 
         async def make() -> Connector:
             return OpendalConnector.from_url(url, **options)

@@ -173,8 +173,9 @@ def _server_env(config: Path | None, data_dir: Path) -> dict[str, str]:
     return env
 
 
-def _start_servers(work: Path) -> tuple[list[Any], dict[str, int]]:
-    """``lmcache_server`` and each of kvgate's servers, started; their lm:// ports by name."""
+def _start_servers(work: Path, only: list[str]) -> tuple[list[Any], dict[str, int]]:
+    """``lmcache_server`` and kvgate's servers named in ``only`` (all when empty), started;
+    their lm:// ports by name."""
     from servers.proc import ServerProcess, free_port, port_open
 
     started: list[Any] = []
@@ -197,6 +198,8 @@ def _start_servers(work: Path) -> tuple[list[Any], dict[str, int]]:
         stock = [str(_venv() / "bin" / "lmcache_server"), "127.0.0.1", str(port), "cpu"]
         start(BASELINE, stock, port, {**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
         for name, yaml_text in KVGATE_SERVERS.items():
+            if only and name not in only:
+                continue
             folder = work / name.replace(" ", "-")
             folder.mkdir()
             config = None
@@ -218,7 +221,7 @@ async def _orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "tests"))
     runs: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="lm-bench-") as tmp:
-        processes, ports = _start_servers(Path(tmp))
+        processes, ports = _start_servers(Path(tmp), args.only)
         try:
             for _ in range(args.repeat):  # alternate, so that drift hits every server alike
                 for name, port in ports.items():
@@ -269,6 +272,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        choices=list(KVGATE_SERVERS),
+        help="run only this kvgate server (repeatable; lmcache_server always runs)",
+    )
     args = parser.parse_args()
     if args.role == "bench":
         result = asyncio.run(_orchestrate(args))

@@ -11,7 +11,10 @@ first) and with no config (the default memory + disk, its data in a temporary fo
 runs this same file as ``client`` under LMCache's python against each in turn, ``--repeat``
 times round, and prints put and get throughput (medians) with each server's ratio to
 ``lmcache_server`` in the same run. Puts are timed until an EXIST on the same connection
-answers (PUT has no reply), so every server is timed to "stored".
+answers (PUT has no reply), so every server is timed to "stored". It also reports each server's
+CPU time (all its threads, from /proc) per GiB moved over the client's run (the warm-up put,
+the puts and the gets): on a machine shared with other work the MiB/s move with the load, and
+CPU seconds a GiB much less.
 
 The ``client`` and ``check`` roles run under LMCache's python: ``check`` puts one KV chunk with
 LMCache's ``LMCServerConnector``, reads it back and compares (the interoperability test).
@@ -173,13 +176,22 @@ def _server_env(config: Path | None, data_dir: Path) -> dict[str, str]:
     return env
 
 
-def _start_servers(work: Path, only: list[str]) -> tuple[list[Any], dict[str, int]]:
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid``, all its threads (None off Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _start_servers(work: Path, only: list[str]) -> tuple[list[Any], dict[str, tuple[int, int]]]:
     """``lmcache_server`` and kvgate's servers named in ``only`` (all when empty), started;
-    their lm:// ports by name."""
+    their lm:// ports and process ids by name."""
     from servers.proc import ServerProcess, free_port, port_open
 
     started: list[Any] = []
-    ports: dict[str, int] = {}
+    ports: dict[str, tuple[int, int]] = {}
 
     def start(name: str, argv: list[str], port: int, env: dict[str, str]) -> None:
         process = ServerProcess(
@@ -191,7 +203,7 @@ def _start_servers(work: Path, only: list[str]) -> tuple[list[Any], dict[str, in
         )
         process.env = env  # exactly this environment (ServerProcess adds to os.environ)
         started.append(process.start())
-        ports[name] = port
+        ports[name] = (port, process.proc.pid)
 
     try:
         port = free_port()
@@ -224,8 +236,14 @@ async def _orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         processes, ports = _start_servers(Path(tmp), args.only)
         try:
             for _ in range(args.repeat):  # alternate, so that drift hits every server alike
-                for name, port in ports.items():
-                    runs.setdefault(name, []).append(await _run_client(port, args))
+                for name, (port, pid) in ports.items():
+                    before = _cpu_seconds(pid)
+                    result = await _run_client(port, args)
+                    after = _cpu_seconds(pid)
+                    if before is not None and after is not None:  # put + get, and the warm-up
+                        moved = 2 * (args.rounds + 1) * result["bytes"] / (1 << 30)
+                        result["cpu_s_per_GiB"] = (after - before) / moved
+                    runs.setdefault(name, []).append(result)
         finally:
             for process in processes:
                 process.stop()
@@ -237,10 +255,16 @@ async def _orchestrate(args: argparse.Namespace) -> dict[str, Any]:
             "put_runs": [round(r["put_MiBps"], 1) for r in results],
             "get_runs": [round(r["get_MiBps"], 1) for r in results],
         }
+        if all("cpu_s_per_GiB" in r for r in results):
+            cpu = [r["cpu_s_per_GiB"] for r in results]
+            servers[name]["cpu_s_per_GiB"] = statistics.median(cpu)
+            servers[name]["cpu_runs"] = [round(c, 3) for c in cpu]
     base = servers[BASELINE]
     for figures in servers.values():
         figures["put_ratio"] = figures["put_MiBps"] / base["put_MiBps"]
         figures["get_ratio"] = figures["get_MiBps"] / base["get_MiBps"]
+        if "cpu_s_per_GiB" in figures and "cpu_s_per_GiB" in base:
+            figures["cpu_ratio"] = figures["cpu_s_per_GiB"] / base["cpu_s_per_GiB"]
     return {
         "size_mib": args.size_mib,
         "rounds": args.rounds,
@@ -255,12 +279,16 @@ def _print_table(result: dict[str, Any]) -> None:
         f"LMCache's lm:// client, {result['size_mib']} MiB chunks x {result['rounds']}, "
         f"median of {result['repeat']} (MiB/s; ratio to {result['baseline']})"
     )
-    print(f"{'server':20} {'put':>8} {'ratio':>6} {'get':>8} {'ratio':>6}")
+    print(f"{'server':20} {'put':>8} {'ratio':>6} {'get':>8} {'ratio':>6} {'CPU s/GiB':>10}")
     for name, f in result["servers"].items():
+        cpu = f"{f['cpu_s_per_GiB']:6.3f} {f['cpu_ratio']:4.2f}x" if "cpu_ratio" in f else ""
         print(
             f"{name:20} {f['put_MiBps']:8.0f} {f['put_ratio']:5.2f}x "
-            f"{f['get_MiBps']:8.0f} {f['get_ratio']:5.2f}x"
+            f"{f['get_MiBps']:8.0f} {f['get_ratio']:5.2f}x {cpu}"
         )
+    print("runs (put / get MiB/s):")
+    for name, f in result["servers"].items():
+        print(f"  {name:18} {f['put_runs']} / {f['get_runs']}")
 
 
 def main() -> None:

@@ -2,13 +2,19 @@
 
 Run with kvgate's python (after ``.ci/lmcache-env``)::
 
-    .venv/bin/python benchmarks/lm_bench.py [--size-mib 32] [--rounds 8] [--repeat 3]
+    .venv/bin/python benchmarks/lm_bench.py [--size-mib 32] [--rounds 8] [--repeat 3] [--json]
 
-It starts ``lmcache_server 127.0.0.1 P cpu`` from LMCache's venv and kvgate's server
-(``gateway.lmcache.server.serve_lm`` over a memory-only Store) in this process, then runs this same
-file as ``client`` under LMCache's python against each in turn, in the same run, and prints
-put and get throughput (median of ``--repeat``). Puts are timed until an EXIST on the same
-connection answers (PUT has no reply), so both servers are timed to "stored".
+It starts ``lmcache_server 127.0.0.1 P cpu`` from LMCache's venv and kvgate's server the way
+users run it, ``kvgate serve --lm-port P`` (``python -m gateway.cli serve``: uvloop when
+installed), twice: with a memory-only tier list (a 2 GiB ``memory://`` tier, the default's
+first) and with no config (the default memory + disk, its data in a temporary folder). Then it
+runs this same file as ``client`` under LMCache's python against each in turn, ``--repeat``
+times round, and prints put and get throughput (medians) with each server's ratio to
+``lmcache_server`` in the same run. Puts are timed until an EXIST on the same connection
+answers (PUT has no reply), so every server is timed to "stored". It also reports each server's
+CPU time (all its threads, from /proc) per GiB moved over the client's run (the warm-up put,
+the puts and the gets): on a machine shared with other work the MiB/s move with the load, and
+CPU seconds a GiB much less.
 
 The ``client`` and ``check`` roles run under LMCache's python: ``check`` puts one KV chunk with
 LMCache's ``LMCServerConnector``, reads it back and compares (the interoperability test).
@@ -22,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -123,6 +130,12 @@ async def _client(port: int, size_mib: int, rounds: int) -> dict[str, float]:
 
 # -- the orchestrator (kvgate's python) -------------------------------------------------------
 
+# kvgate's servers, each as ``kvgate serve --lm-port`` runs it (uvloop when installed): a
+# memory-only tier list, and the default memory + disk (no config: the embedded tiers).
+MEMORY_ONLY = "tiers:\n  - url: memory://\n    capacity: 2GiB\n    eviction: lru\n"
+KVGATE_SERVERS = {"kvgate memory": MEMORY_ONLY, "kvgate memory+disk": None}
+BASELINE = "lmcache_server"
+
 
 def _venv() -> Path:
     return Path(os.environ.get("INTEROP_LMCACHE_VENV") or ROOT / ".venv-lmcache")
@@ -149,44 +162,133 @@ async def _run_client(port: int, args: argparse.Namespace) -> dict[str, float]:
     return dict(json.loads(out.decode().strip().splitlines()[-1]))
 
 
-async def _orchestrate(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "tests"))
+def _server_env(config: Path | None, data_dir: Path) -> dict[str, str]:
+    """kvgate's environment without the settings that would change its tiers: no KVGATE_* and
+    no LMCACHE_* (LMCache's variables would be read as its config), the data in ``data_dir``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KVGATE_", "LMCACHE_")) or k == "KVGATE_KERNELS"
+    }
+    env["KVGATE_DATA_DIR"] = str(data_dir)
+    if config is not None:
+        env["KVGATE_CONFIG"] = str(config)
+    return env
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid``, all its threads (None off Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _start_servers(work: Path, only: list[str]) -> tuple[list[Any], dict[str, tuple[int, int]]]:
+    """``lmcache_server`` and kvgate's servers named in ``only`` (all when empty), started;
+    their lm:// ports and process ids by name."""
     from servers.proc import ServerProcess, free_port, port_open
 
-    from gateway.lmcache.server import serve_lm
-    from gateway.store import Store
+    started: list[Any] = []
+    ports: dict[str, tuple[int, int]] = {}
 
-    stock_port, ours_port = free_port(), free_port()
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"lm-bench-{stock_port}.log"
-    stock = ServerProcess(
-        [str(_venv() / "bin" / "lmcache_server"), "127.0.0.1", str(stock_port), "cpu"],
-        ready=lambda: port_open(stock_port),
-        log_path=log,
-        env={"LMCACHE_DISABLE_BANNER": "1"},
-        ready_timeout=60,
-    ).start()
-    capacity = (args.rounds + 2) * args.size_mib * MiB * 2
-    store = Store({"tiers": [{"url": "memory://", "capacity": capacity}], "prefault": True})
-    results: dict[str, list[dict[str, float]]] = {"lmcache_server": [], "kvgate": []}
+    def start(name: str, argv: list[str], port: int, env: dict[str, str]) -> None:
+        process = ServerProcess(
+            argv,
+            ready=lambda: port_open(port),
+            log_path=work / f"{name.replace(' ', '-')}.log",
+            cwd=ROOT,
+            ready_timeout=90,
+        )
+        process.env = env  # exactly this environment (ServerProcess adds to os.environ)
+        started.append(process.start())
+        ports[name] = (port, process.proc.pid)
+
     try:
-        async with store:
-            server = await serve_lm(store, "127.0.0.1", ours_port)
-            for _ in range(args.repeat):  # alternate, so drift hits both alike
-                results["lmcache_server"].append(await _run_client(stock_port, args))
-                results["kvgate"].append(await _run_client(ours_port, args))
-            server.close()
-    finally:
-        stock.stop()
+        port = free_port()
+        stock = [str(_venv() / "bin" / "lmcache_server"), "127.0.0.1", str(port), "cpu"]
+        start(BASELINE, stock, port, {**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+        for name, yaml_text in KVGATE_SERVERS.items():
+            if only and name not in only:
+                continue
+            folder = work / name.replace(" ", "-")
+            folder.mkdir()
+            config = None
+            if yaml_text is not None:
+                config = folder / "kvgate.yaml"
+                config.write_text(yaml_text)
+            port, http_port = free_port(), free_port()
+            argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(http_port)]
+            argv += ["--lm-port", str(port), "--log-level", "warning"]
+            start(name, argv, port, _server_env(config, folder / "data"))
+    except BaseException:
+        for process in started:
+            process.stop()
+        raise
+    return started, ports
+
+
+async def _orchestrate(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    runs: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="lm-bench-") as tmp:
+        processes, ports = _start_servers(Path(tmp), args.only)
+        try:
+            for _ in range(args.repeat):  # alternate, so that drift hits every server alike
+                for name, (port, pid) in ports.items():
+                    before = _cpu_seconds(pid)
+                    result = await _run_client(port, args)
+                    after = _cpu_seconds(pid)
+                    if before is not None and after is not None:  # put + get, and the warm-up
+                        moved = 2 * (args.rounds + 1) * result["bytes"] / (1 << 30)
+                        result["cpu_s_per_GiB"] = (after - before) / moved
+                    runs.setdefault(name, []).append(result)
+        finally:
+            for process in processes:
+                process.stop()
+    servers: dict[str, dict[str, Any]] = {}
+    for name, results in runs.items():
+        servers[name] = {
+            "put_MiBps": statistics.median(r["put_MiBps"] for r in results),
+            "get_MiBps": statistics.median(r["get_MiBps"] for r in results),
+            "put_runs": [round(r["put_MiBps"], 1) for r in results],
+            "get_runs": [round(r["get_MiBps"], 1) for r in results],
+        }
+        if all("cpu_s_per_GiB" in r for r in results):
+            cpu = [r["cpu_s_per_GiB"] for r in results]
+            servers[name]["cpu_s_per_GiB"] = statistics.median(cpu)
+            servers[name]["cpu_runs"] = [round(c, 3) for c in cpu]
+    base = servers[BASELINE]
+    for figures in servers.values():
+        figures["put_ratio"] = figures["put_MiBps"] / base["put_MiBps"]
+        figures["get_ratio"] = figures["get_MiBps"] / base["get_MiBps"]
+        if "cpu_s_per_GiB" in figures and "cpu_s_per_GiB" in base:
+            figures["cpu_ratio"] = figures["cpu_s_per_GiB"] / base["cpu_s_per_GiB"]
+    return {
+        "size_mib": args.size_mib,
+        "rounds": args.rounds,
+        "repeat": args.repeat,
+        "baseline": BASELINE,
+        "servers": servers,
+    }
+
+
+def _print_table(result: dict[str, Any]) -> None:
     print(
-        f"LMCache's lm:// client, {args.size_mib} MiB chunks x {args.rounds}, "
-        f"median of {args.repeat} (MiB/s)"
+        f"LMCache's lm:// client, {result['size_mib']} MiB chunks x {result['rounds']}, "
+        f"median of {result['repeat']} (MiB/s; ratio to {result['baseline']})"
     )
-    print(f"{'server':16} {'put':>8} {'get':>8}")
-    for name, runs in results.items():
-        put = statistics.median(r["put_MiBps"] for r in runs)
-        get = statistics.median(r["get_MiBps"] for r in runs)
-        print(f"{name:16} {put:8.0f} {get:8.0f}")
+    print(f"{'server':20} {'put':>8} {'ratio':>6} {'get':>8} {'ratio':>6} {'CPU s/GiB':>10}")
+    for name, f in result["servers"].items():
+        cpu = f"{f['cpu_s_per_GiB']:6.3f} {f['cpu_ratio']:4.2f}x" if "cpu_ratio" in f else ""
+        print(
+            f"{name:20} {f['put_MiBps']:8.0f} {f['put_ratio']:5.2f}x "
+            f"{f['get_MiBps']:8.0f} {f['get_ratio']:5.2f}x {cpu}"
+        )
+    print("runs (put / get MiB/s):")
+    for name, f in result["servers"].items():
+        print(f"  {name:18} {f['put_runs']} / {f['get_runs']}")
 
 
 def main() -> None:
@@ -197,9 +299,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        choices=list(KVGATE_SERVERS),
+        help="run only this kvgate server (repeatable; lmcache_server always runs)",
+    )
     args = parser.parse_args()
     if args.role == "bench":
-        asyncio.run(_orchestrate(args))
+        result = asyncio.run(_orchestrate(args))
+        if args.json:
+            print(json.dumps(result))
+        else:
+            _print_table(result)
     elif args.role == "client":
         print(json.dumps(asyncio.run(_client(args.port, args.size_mib, args.rounds))))
     else:

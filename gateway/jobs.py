@@ -30,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from gateway.background import write_behind
 from gateway.errors import CircuitOpen, GatewayError, Unavailable
 from gateway.log_limit import RepeatLimiter
 from gateway.memory import Slab
@@ -229,6 +230,7 @@ class TierWriter:
             await _wait_briefly(running.done)
 
     async def _work(self) -> None:
+        write_behind()  # nobody waits for these writes: below the replies' CPU priority
         while True:
             job = await self.queue.get()
             try:

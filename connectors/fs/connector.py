@@ -82,6 +82,7 @@ from connectors.fs import record as rec
 from connectors.fs.dirs import Name, Symlink, Tree
 from connectors.fs.keylocks import KeyLocks
 from connectors.fs.read import DIRECT_IO_BYTES, SizeChanged, read_object
+from gateway.background import low_priority_threads, pool_for
 from gateway.connector import (
     Allocator,
     BaseConnector,
@@ -118,18 +119,25 @@ class FileOptions(StrictOptions):
 
 # The connector's blocking work (reads, writes with their fsyncs, scans) runs in threads of
 # its own, as many as asyncio's default executor would have: steady threads that the event
-# loop wakes and is woken by directly (gateway.thread_jobs), shared by every file tier.
+# loop wakes and is woken by directly (gateway.thread_jobs), shared by every file tier. The
+# store's write-behind runs in a second set at a lower CPU priority (gateway.background).
 def _fs_threads() -> ThreadPoolExecutor:
     workers = min(32, (os.cpu_count() or 1) + 4)
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-fs")
 
 
+def _fs_background_threads() -> ThreadPoolExecutor:
+    return low_priority_threads(min(32, (os.cpu_count() or 1) + 4), "kvgate-fs-behind")
+
+
 _FS_THREADS = _fs_threads()
+_FS_BEHIND = _fs_background_threads()
 
 
 def _new_fs_threads_after_fork() -> None:
-    global _FS_THREADS  # a forked child inherits the executor but not its threads
+    global _FS_THREADS, _FS_BEHIND  # a forked child inherits the executors but not threads
     _FS_THREADS = _fs_threads()
+    _FS_BEHIND = _fs_background_threads()
 
 
 os.register_at_fork(after_in_child=_new_fs_threads_after_fork)
@@ -142,8 +150,9 @@ async def _in_thread(
     return before re-raising: ``fn`` may be using the caller's buffers. A result that ``fn``
     produced anyway goes to ``on_abandon`` (to commit a finished write, to close a file)."""
     stop = threading.Event()
+    pool = pool_for(_FS_THREADS, _FS_BEHIND)
     return await in_thread(
-        _FS_THREADS, functools.partial(fn, stop), on_cancel=stop.set, on_abandon=on_abandon
+        pool, functools.partial(fn, stop), on_cancel=stop.set, on_abandon=on_abandon
     )
 
 

@@ -37,7 +37,9 @@ What a client's numbers cannot do (the protocol has no authentication: see ``ser
 
 Why a ``BufferedProtocol`` rather than stream readers: payloads are received straight into one
 reused buffer per connection (no per-chunk allocation and copy), and GET replies are written
-from the cache's memory on a duplicate of the socket, so the transport never copies a chunk.
+from the cache's memory on a duplicate of the socket, header and payload in one ``sendmsg``,
+so the transport never copies a chunk. A client that goes away mid-reply costs its connection
+only (no error logged).
 """
 
 from __future__ import annotations
@@ -480,17 +482,35 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self._close("reply not taken in time")
 
     async def _send(self, reply: bytes, view: memoryview) -> None:
-        self._write(reply)  # alone: LMCache's client reads it with one recv(36)
-        await self.can_write.wait()  # the transport's buffer is empty: the payload comes next
+        """The reply header and its payload, in one write where the socket takes it.
+
+        LMCache's client reads the header with one ``recv(36)`` and does not loop: the header
+        leads the first segment either way (36 bytes are less than any segment), so sending
+        it with the payload is safe and saves the client a wake-up and the server a call.
+        """
         assert self.transport is not None
-        if self.transport.is_closing():
-            return
         if view.nbytes < DIRECT_SEND:
-            self._write(view)
+            self.transport.writelines((reply, view))
             await self.can_write.wait()
             return
-        # obj (and its lease on the cache) lives until the payload is sent.
-        await asyncio.get_running_loop().sock_sendall(self._direct_socket(), view)
+        await self.can_write.wait()  # the transport's buffer is empty: bytes cannot interleave
+        if self.transport.is_closing():
+            return
+        sock = self._direct_socket()
+        try:
+            try:
+                sent = sock.sendmsg((reply, view))
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            loop = asyncio.get_running_loop()
+            if sent < len(reply):
+                await loop.sock_sendall(sock, reply[sent:])
+                sent = len(reply)
+            # obj (and its lease on the cache) lives until the payload is sent.
+            if sent - len(reply) < view.nbytes:
+                await loop.sock_sendall(sock, view[sent - len(reply) :])
+        except (ConnectionError, BrokenPipeError):  # the client went away: only its loss
+            self._close("client gone while sending a reply")
 
     def _direct_socket(self) -> socket.socket:
         """A duplicate of the connection's socket, for payloads sent without a copy.

@@ -8,6 +8,7 @@ oversized, a client that vanishes mid-payload, concurrent and pipelined clients.
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from collections.abc import AsyncIterator
 
@@ -252,6 +253,57 @@ async def test_large_get_is_sent_whole(server: Server) -> None:
     assert reply.shape == (2, 3 << 18, 4, 0)
     assert body == payload
     await client.close()
+
+
+def _get_like_lmcaches_client(port: int, key: str) -> tuple[int, bytes, bytes]:
+    """A GET the way LMCache's client does it: a blocking socket, the reply header taken with
+    one ``recv(36)`` (it does not loop), then the payload with ``recv_into``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(encode_request(Request(Command.GET, key)))
+        head = sock.recv(REPLY.size)
+        length = REPLY.unpack(head)[1] if len(head) == REPLY.size else 0
+        body = bytearray(length)
+        view, got = memoryview(body), 0
+        while got < length:
+            n = sock.recv_into(view[got:], length - got)
+            assert n, "connection closed mid-payload"
+            got += n
+        return len(head), head, bytes(body)
+
+
+@pytest.mark.parametrize("size", [100 << 10, 6 << 20])  # through the transport; sent directly
+async def test_reply_header_comes_whole_to_a_single_recv(server: Server, size: int) -> None:
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    client = await server.connect()
+    await client.send(put(KEY, payload, Format.KV_2LTD, 6, (2, size // 8, 4)))
+    assert (await client.ask(Request(Command.EXIST, KEY)))[0].code == Code.OK
+    for _ in range(3):
+        got, head, body = await asyncio.to_thread(_get_like_lmcaches_client, server.port, KEY)
+        assert got == REPLY.size
+        assert REPLY.unpack(head)[:2] == (Code.OK, size)
+        assert body == payload
+    await client.close()
+
+
+async def test_client_gone_during_a_large_reply_costs_only_its_connection(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    payload = bytes(6 << 20)
+    client = await server.connect()
+    await client.send(put(KEY, payload, Format.BINARY, 6, (len(payload),)))
+    assert (await client.ask(Request(Command.EXIST, KEY)))[0].code == Code.OK
+    for _ in range(3):
+        await client.send(encode_request(Request(Command.GET, KEY)))
+        await client.reader.readexactly(REPLY.size + 1000)  # the reply has begun
+        sock = client.writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.writer.transport.abort()  # a reset, the rest unread
+        await asyncio.sleep(0.05)
+        client = await server.connect()
+    reply, body = await client.ask(Request(Command.GET, KEY))
+    assert (reply.code, len(body)) == (Code.OK, len(payload))
+    await client.close()
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
 
 def test_header_sizes_are_lmcaches() -> None:

@@ -7,13 +7,36 @@ from collections.abc import Sequence
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.payload import Payload
 
+# aiohttp joins the first body write with the request's headers into one new bytes (and on
+# Python 3.11 its transport copies whatever a send does not take into its own buffer): so the
+# first write is small, and the others are slices that the socket takes in a send or two, each
+# awaited (aiohttp drains after each), instead of pieces of tens of MiB copied whole. Measured
+# on a 32 MiB S3 put over loopback: ~40 ms of event-loop time in those copies, whole.
+FIRST_SLICE = 64 << 10
+SLICE = 1 << 20
+
+
+def _slices(size: int, *, first: bool) -> list[tuple[int, int]]:
+    """(start, stop) of the writes of ``size`` bytes; ``first``: the body's first bytes."""
+    out = []
+    start = 0
+    if first and size > FIRST_SLICE:
+        out.append((0, FIRST_SLICE))
+        start = FIRST_SLICE
+    while start < size:
+        stop = min(size, start + SLICE)
+        out.append((start, stop))
+        start = stop
+    return out
+
 
 class PartsBody(Payload):
     """A request body made of views of the caller's buffers, never joined.
 
-    aiohttp sends it piece by piece (and does not warn about large ``bytes`` bodies, which
-    ``-W error`` would turn into failures). botocore sees a seekable file-like object: it
-    reads it once to compute the SigV4 payload hash, in views, then seeks back.
+    aiohttp sends it piece by piece, in slices (see SLICE), and does not warn about large
+    ``bytes`` bodies, which ``-W error`` would turn into failures. botocore sees a seekable
+    file-like object: it reads it once to compute the SigV4 payload hash, in views, then
+    seeks back (unless ``connectors.s3.signing`` hashed it in a thread before).
     """
 
     _autoclose = True
@@ -36,11 +59,15 @@ class PartsBody(Payload):
         self, writer: AbstractStreamWriter, content_length: int | None
     ) -> None:
         left = len(self) if content_length is None else content_length
+        first = True  # each sending (a retry too) starts with the headers
         for piece in self._pieces:
             if left <= 0:
                 break
-            await writer.write(piece[:left])
+            view = piece[:left]
             left -= piece.nbytes
+            for start, stop in _slices(view.nbytes, first=first and view.nbytes > 0):
+                first = False
+                await writer.write(view[start:stop])
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         return b"".join(self._pieces).decode(encoding, errors)

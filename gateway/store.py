@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -39,7 +40,7 @@ from gateway.object_meta import check_ttl
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
 from gateway.registry import build_codec, connect, scheme_of
-from gateway.tiers import ConnectorTier, Found, MemoryTier, offload
+from gateway.tiers import OFFLOAD_BYTES, ConnectorTier, Found, MemoryTier, offload
 from gateway.types import MemoryFormat, TierStats
 
 log = logging.getLogger("kvgate.store")
@@ -57,6 +58,10 @@ STAGING = "staging"  # lookup_detail's name for objects held in the pool of a st
 # one per tier: the writes of one put share its slab, so tiers that stall together pin the
 # same slabs.
 SKIP_PIN_SHARE = 0.5
+# A put's copy into the pool runs in a CPU thread from this size on when the store has lower
+# tiers (their writes then keep the loop busy); without them, from OFFLOAD_BYTES, since a
+# thread's round trip (~0.1 ms each way here) costs more than copying a MiB on the loop.
+PUT_COPY_OFFLOAD_BYTES = 1 << 20
 
 KeyLike = Key | str
 ConfigSource = StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None
@@ -90,6 +95,7 @@ class Store:
         self._background: set[asyncio.Task[Any]] = set()
         self._space = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None  # the ident of the thread that runs it
         self._opened = False
         self._closed = False
         self._open_lock = asyncio.Lock()
@@ -121,6 +127,7 @@ class Store:
         tiers = list(cfg.tiers)
         names = _tier_names(tiers)
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         first_is_l1 = bool(tiers) and is_l1_url(tiers[0].url)
         if first_is_l1 and 0 not in self._given:
             l1_cfg = tiers[0]
@@ -230,6 +237,11 @@ class Store:
     # -- memory ----------------------------------------------------------------------------
 
     def _on_pool_free(self) -> None:
+        if threading.get_ident() == self._loop_thread:
+            # Freed on the loop (a tier's write finished): no wake-up through the loop's
+            # self-pipe, a system call and an extra loop pass on every put.
+            self._space.set()
+            return
         loop = self._loop
         if loop is not None and not loop.is_closed():
             # RuntimeError: the loop closed between the check and the call.
@@ -335,12 +347,19 @@ class Store:
                 await self._put_direct(k, data, expires_at, durable=durable)
                 return
             try:  # the put's own slab reference, released below whatever happens
+                # With lower tiers, the copy runs in a thread from PUT_COPY_OFFLOAD_BYTES
+                # on: meanwhile the loop drives their sends (on a 2-core VM it took
+                # ~0.25 of 1.0-1.3 ms of loop time per 1 MiB put to Redis).
+                below = PUT_COPY_OFFLOAD_BYTES if self.writers else OFFLOAD_BYTES
+                device = not data.on_host
                 if self._hash_on_copy:
                     data.checksum = await offload(
-                        nbytes, data.copy_hashed, slab.view(), device=not data.on_host
+                        nbytes, data.copy_hashed, slab.view(), device=device, inline_below=below
                     )
                 else:
-                    await offload(nbytes, data.copy_into, slab.view(), device=not data.on_host)
+                    await offload(
+                        nbytes, data.copy_into, slab.view(), device=device, inline_below=below
+                    )
                 self._invalidate_fetch(k)
                 if self.l1 is not None:  # first, so that a get during the queue waits sees it
                     l1_expires = _expiry(ttl, self._l1_ttl)

@@ -73,8 +73,15 @@ INLINE_CODECS = frozenset({"raw", "zstd", "lz4"})
 MAX_CACHED_CODECS = 64
 
 
-async def offload(nbytes: int, fn: Callable[..., T], *args: Any, device: bool = False) -> T:
-    """Run ``fn`` inline for small inputs, in a CPU worker thread for large ones.
+async def offload(
+    nbytes: int,
+    fn: Callable[..., T],
+    *args: Any,
+    device: bool = False,
+    inline_below: int = OFFLOAD_BYTES,
+) -> T:
+    """Run ``fn`` inline for inputs under ``inline_below`` bytes, in a CPU worker thread for
+    larger ones.
 
     ``device``: the work touches a GPU tensor (a copy to the host waits for its stream) or may
     take long whatever the size (a codec compiling its kernels), so it runs in a thread.
@@ -82,7 +89,7 @@ async def offload(nbytes: int, fn: Callable[..., T], *args: Any, device: bool = 
     If the caller is cancelled, this still waits for the thread to finish before re-raising:
     ``fn`` works on pool slabs that the caller releases as soon as this returns.
     """
-    if nbytes < OFFLOAD_BYTES and not device:
+    if nbytes < inline_below and not device:
         return fn(*args)
     return await in_thread(_CPU_THREADS, functools.partial(fn, *args))
 

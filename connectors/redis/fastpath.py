@@ -61,6 +61,7 @@ from gateway.types import Buffer
 _SCRATCH = 1024  # reply lines and small replies: `$N\r\n` plus whatever came with it
 _MAX_SMALL_REPLY = 64 * 1024
 _WRITE_SLICE = 1 << 20
+_COALESCE = 64 << 10  # pieces of a request under this are joined before they are written
 # Flow control: pause after 256 KiB queued in the transport, resume under 64 KiB. Writing in
 # slices against these marks keeps the transport from copying a whole part into its buffer.
 _HIGH_WATER, _LOW_WATER = 256 << 10, 64 << 10
@@ -365,7 +366,7 @@ class FastConnection(asyncio.BufferedProtocol):
     async def _write(self, chunks: Sequence[Buffer], waiter: asyncio.Future[object]) -> None:
         transport = self.transport
         assert transport is not None
-        for chunk in chunks:
+        for chunk in coalesce(chunks):
             view = memoryview(chunk).cast("B")
             for start in range(0, view.nbytes, _WRITE_SLICE):
                 if waiter.done():  # the server answered before the command was whole
@@ -376,6 +377,30 @@ class FastConnection(asyncio.BufferedProtocol):
                     await self._writable
                 if not self.usable:
                     return  # lost: the waiter has the error
+
+
+def coalesce(chunks: Sequence[Buffer], small: int = _COALESCE) -> list[Buffer]:
+    """``chunks`` with each run of small ones joined into one bytes object; large ones as
+    they are (never copied).
+
+    A put's commands are a dozen pieces (``MULTI``, ``GETRANGE``, ``STRLEN``, the ``SET``
+    header, the tag byte, the frame head, the payload, the tail, ``EXEC``); the transport
+    sends each write at once while its buffer is empty, so unjoined they cost a ``send``
+    system call each, and the server a read each. Joined: the head, the payload, the tail.
+    """
+    out: list[Buffer] = []
+    run: list[Buffer] = []
+    for chunk in chunks:
+        if memoryview(chunk).nbytes < small:
+            run.append(chunk)
+            continue
+        if run:
+            out.append(b"".join(run))
+            run = []
+        out.append(chunk)
+    if run:
+        out.append(b"".join(run))
+    return out
 
 
 class FastPath:

@@ -28,6 +28,7 @@ from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
 from connectors.s3.config import Location, S3Options
 from connectors.s3.errors import code_of, s3_errors, status_of
+from connectors.s3.signing import use_prehashed_signer
 from gateway.errors import ConfigError, GatewayError
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ async def open_client(session: Any, options: S3Options, stack: contextlib.AsyncE
     )
     # After botocore's own handler, which sits on the same event.
     client.meta.events.register_last("before-call.s3", _no_expect_continue)
+    use_prehashed_signer(client)  # payload hashes computed in a thread (signing.py)
     return client
 
 

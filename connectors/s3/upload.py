@@ -15,7 +15,8 @@ rule (``AbortIncompleteMultipartUpload``). Uploads in progress are in ``client.u
 that this connector's sweep never aborts them.
 
 Bodies are views of the caller's buffers (``PartsBody``): nothing is joined or copied, also
-for a part that straddles two of them (the frame header and the payload).
+for a part that straddles two of them (the frame header and the payload). Their SigV4
+payload hashes are computed in a thread before the request (``signing``).
 Each request is bounded by ``request_timeout``; one moves at most one part, or one object under
 the threshold.
 """
@@ -31,7 +32,8 @@ from connectors.object_names import shown
 from connectors.s3.client import S3Client
 from connectors.s3.config import MAX_PARTS
 from connectors.s3.errors import code_of, s3_errors
-from connectors.s3.transfer import PartsBody, limited, run_all, slice_parts, spans
+from connectors.s3.signing import prehashed_body
+from connectors.s3.transfer import limited, run_all, slice_parts, spans
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +47,9 @@ async def upload(
     with s3_errors(where, client.bucket):
         s3 = await client.get()
         if size <= opts.multipart_threshold:
+            body = await prehashed_body(parts)
             async with asyncio.timeout(opts.request_timeout):
-                await s3.put_object(
-                    Bucket=client.bucket, Key=name, Body=PartsBody(parts), Metadata=metadata
-                )
+                await s3.put_object(Bucket=client.bucket, Key=name, Body=body, Metadata=metadata)
             return
         async with asyncio.timeout(opts.request_timeout):
             created = await s3.create_multipart_upload(
@@ -75,13 +76,14 @@ async def _upload_parts(
 
     def job(number: int, lo: int, hi: int) -> Any:
         async def send() -> dict[str, Any]:
+            body = await prehashed_body(slice_parts(parts, lo, hi))
             async with asyncio.timeout(opts.request_timeout):
                 sent = await s3.upload_part(
                     Bucket=client.bucket,
                     Key=name,
                     UploadId=upload_id,
                     PartNumber=number,
-                    Body=PartsBody(slice_parts(parts, lo, hi)),
+                    Body=body,
                 )
             return {"PartNumber": number, "ETag": sent["ETag"]}
 

@@ -164,6 +164,11 @@ class RedisConnector(BaseConnector):
         if not keys:
             return []
         mains = [self.main_key(k) for k in keys]
+        if self.fast is not None:
+            flags = await self.fast.exists_many(mains)
+            if flags is not None:
+                return flags
+        # Without the fast path, or a slot moved: redis-py follows redirections.
         redis = self.client.redis
 
         async def pipeline() -> builtins.list[Any]:

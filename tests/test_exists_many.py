@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
+import redis
+from servers.proc import free_port
 from servers.redis import RedisNode
+from servers.valkey import start_valkey
 
 from connectors.redis import RedisConnector
+from connectors.valkey import ValkeyConnector
 from gateway.connector import BaseConnector
 from gateway.errors import Timeout, Unavailable
 
@@ -208,3 +213,31 @@ async def test_exists_many_of_a_stalled_server_times_out(
             with pytest.raises(Timeout):
                 await conn.exists_many(keys)
     assert await conn.exists_many(keys[:3]) == [False] * 3  # a new connection, all well
+
+
+# -- Valkey -----------------------------------------------------------------------------------
+
+
+async def test_valkey_without_scripts_answers_by_batch(tmp_path: Path) -> None:
+    """A server that refuses scripts (EVALSHA and EVAL renamed away) gets batches instead."""
+    port = free_port()
+    server = start_valkey(
+        tmp_path / "valkey", port, "--rename-command", "EVALSHA", "", "--rename-command", "EVAL", ""
+    )
+    with redis.Redis(port=port) as plain, pytest.raises(redis.ResponseError, match="unknown"):
+        plain.eval("return 1", 0)  # the server does refuse scripts
+    conn = ValkeyConnector.from_url(f"valkey://127.0.0.1:{port}", request_timeout=2.0)
+    try:
+        await conn.put("there", b"x")
+        keys = ["there", "not", "there", *(f"k{i}" for i in range(100))]
+        want = [True, False, True, *([False] * 100)]
+        async with asyncio.timeout(HANG_GUARD):
+            assert await conn.exists_many(keys) == want
+            assert await conn.exists_many(keys) == want  # batches from then on
+        server.kill()  # glide reconnects until the request's own timeout
+        async with asyncio.timeout(HANG_GUARD):
+            with pytest.raises((Unavailable, Timeout)):
+                await conn.exists_many(keys)
+    finally:
+        await conn.close()
+        server.stop()

@@ -597,6 +597,27 @@ class Store:
             n += run
         return detail
 
+    async def contains_many(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """Whether each key is stored in any tier (no prefix rule: every key is answered).
+
+        Like ``lookup``, lower tiers answer from existence checks; each is asked only about
+        the keys the tiers above it lack. A tier that fails answers "not here"."""
+        ks = [normalize_key(k) for k in keys]
+        await self._ready()
+        found = [(self.l1 is not None and k in self.l1) or self._pending(k) for k in ks]
+        for writer, tier in zip(self.writers, self.tiers, strict=True):
+            asked = [i for i, hit in enumerate(found) if not hit]
+            if not asked:
+                break
+            try:
+                flags = await tier.exists_many([ks[i] for i in asked])
+            except GatewayError as exc:
+                log.debug("tier %s: exists failed (%s): %s", tier.name, exc.kind, exc)
+                continue
+            for i, flag in zip(asked, flags, strict=False):
+                found[i] = flag and ks[i] not in writer.stale
+        return found
+
     def _pending(self, key: str) -> bool:
         return any(w.pending(key) is not None for w in self.writers)
 

@@ -46,6 +46,10 @@ log = logging.getLogger("kvgate.store")
 
 DEFAULT_L1_CAPACITY = 2 << 30
 ALLOC_WAIT_POLL = 0.05  # seconds between re-tries while waiting for pool space
+# lookup asks a lower tier about LOOKUP_WINDOW keys first, then windows LOOKUP_GROWTH times
+# larger (64, 256, 1024, 4096, ...): see Store._leading_run, and the README's lookup table.
+LOOKUP_WINDOW = 64
+LOOKUP_GROWTH = 4
 STAGING = "staging"  # lookup_detail's name for objects held in the pool of a store without L1
 # Why a ``skip`` tier's writes are bounded in bytes too, not only by ``queue_size``: a queue of
 # 64 jobs of 1 MiB pins more than a 64 MiB memory tier, and an L1 entry whose write is queued
@@ -583,19 +587,32 @@ class Store:
             if n == len(ks):
                 detail.append((tier.name, 0))
                 continue
-            try:
-                flags = await tier.exists_many(ks[n:])
-            except GatewayError as exc:
-                log.debug("tier %s: exists failed (%s): %s", tier.name, exc.kind, exc)
-                flags = []
-            run = 0
-            for k, flag in zip(ks[n:], flags, strict=False):
-                if not flag or k in writer.stale:
-                    break
-                run += 1
+            run = await self._leading_run(writer, tier, ks[n:])
             detail.append((tier.name, run))
             n += run
         return detail
+
+    async def _leading_run(self, writer: TierWriter, tier: ConnectorTier, keys: list[str]) -> int:
+        """How many leading ``keys`` ``tier`` holds, asked in windows that grow from
+        ``LOOKUP_WINDOW`` by ``LOOKUP_GROWTH``: a tier that lacks the first keys is asked
+        about a few, not thousands (S3 answers with one HEAD per key), while a tier that
+        holds them all answers 4096 keys in four requests."""
+        run, window = 0, LOOKUP_WINDOW
+        while run < len(keys):
+            asked = keys[run : run + window]
+            try:
+                flags = await tier.exists_many(asked)
+            except GatewayError as exc:
+                log.debug("tier %s: exists failed (%s): %s", tier.name, exc.kind, exc)
+                return run
+            for k, flag in zip(asked, flags, strict=False):
+                if not flag or k in writer.stale:
+                    return run
+                run += 1
+            if len(flags) < len(asked):
+                return run  # a short answer: the rest counts as absent
+            window *= LOOKUP_GROWTH
+        return run
 
     async def contains_many(self, keys: Sequence[KeyLike]) -> list[bool]:
         """Whether each key is stored in any tier (no prefix rule: every key is answered).

@@ -12,7 +12,7 @@ from connectors.memory import MemoryConnector
 from gateway import Store
 from gateway.store import LOOKUP_GROWTH, LOOKUP_WINDOW
 
-COUNT = 2000
+COUNT = 1400
 
 
 class _Counting(MemoryConnector):

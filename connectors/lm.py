@@ -138,7 +138,8 @@ class LmConnector(BaseConnector):
         self.address = address
         self.options = options or LmOptions()
         # persistent: objects outlive the gateway (not a restart of the LMCache server).
-        self.capabilities = Capabilities(persistent=True, max_object_size=INT32_MAX)
+        # batch: exists_many pipelines its EXISTs on one connection
+        self.capabilities = Capabilities(batch=True, persistent=True, max_object_size=INT32_MAX)
         self.batch_concurrency = self.options.pool_size
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(self.options.pool_size)

@@ -46,8 +46,8 @@ log = logging.getLogger("kvgate.store")
 
 DEFAULT_L1_CAPACITY = 2 << 30
 ALLOC_WAIT_POLL = 0.05  # seconds between re-tries while waiting for pool space
-# lookup asks a lower tier about LOOKUP_WINDOW keys first, then windows LOOKUP_GROWTH times
-# larger (64, 256, 1024, 4096, ...): see Store._leading_run, and the README's lookup table.
+# lookup asks a lower tier about LOOKUP_WINDOW keys first, then (a tier without batch
+# existence checks) windows LOOKUP_GROWTH times larger: see Store._leading_run.
 LOOKUP_WINDOW = 64
 LOOKUP_GROWTH = 4
 STAGING = "staging"  # lookup_detail's name for objects held in the pool of a store without L1
@@ -593,10 +593,13 @@ class Store:
         return detail
 
     async def _leading_run(self, writer: TierWriter, tier: ConnectorTier, keys: list[str]) -> int:
-        """How many leading ``keys`` ``tier`` holds, asked in windows that grow from
-        ``LOOKUP_WINDOW`` by ``LOOKUP_GROWTH``: a tier that lacks the first keys is asked
-        about a few, not thousands (S3 answers with one HEAD per key), while a tier that
-        holds them all answers 4096 keys in four requests."""
+        """How many leading ``keys`` ``tier`` holds, asked first about ``LOOKUP_WINDOW``: a
+        tier that lacks the first keys (a new prompt misses everywhere) is asked about a few,
+        not thousands. If it holds them all, a ``batch`` tier is asked about the rest at once
+        (one more round trip; extra keys cost it microseconds), any other in windows
+        ``LOOKUP_GROWTH`` times larger each (S3 answers with a HEAD per key: a miss wastes
+        at most three times the keys before it)."""
+        growth = len(keys) if tier.connector.capabilities.batch else LOOKUP_GROWTH
         run, window = 0, LOOKUP_WINDOW
         while run < len(keys):
             asked = keys[run : run + window]
@@ -611,7 +614,7 @@ class Store:
                 run += 1
             if len(flags) < len(asked):
                 return run  # a short answer: the rest counts as absent
-            window *= LOOKUP_GROWTH
+            window *= growth
         return run
 
     async def contains_many(self, keys: Sequence[KeyLike]) -> list[bool]:

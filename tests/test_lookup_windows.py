@@ -1,8 +1,10 @@
-"""``Store.lookup`` asks lower tiers in growing windows: the prefix is the same wherever the
-first miss falls, and a tier that lacks the first keys is asked about a few keys, not all."""
+"""``Store.lookup`` asks lower tiers in windows: the prefix is the same wherever the first miss
+falls; a tier that lacks the first keys is asked about one window, not all; a batch tier that
+holds the window is asked about the rest at once, any other in growing windows."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
 
@@ -16,10 +18,12 @@ COUNT = 1400
 
 
 class _Counting(MemoryConnector):
-    """A memory connector that records every batch it is asked about."""
+    """A memory connector that records every batch it is asked about; ``batch`` says whether
+    it claims one-round-trip batches (as Redis does) or not (as S3 does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch: bool) -> None:
         super().__init__(uuid.uuid4().hex)
+        self.capabilities = dataclasses.replace(self.capabilities, batch=batch)
         self.asked: list[int] = []
 
     async def exists_many(self, keys: Sequence[str]) -> list[bool]:
@@ -27,53 +31,55 @@ class _Counting(MemoryConnector):
         return await super().exists_many(keys)
 
 
-def _config() -> dict[str, object]:
-    return {"tiers": [{"url": "memory://"}, {"url": "memory://lower"}], "staging": 8 << 20}
-
-
 async def _store_with(lower: _Counting, keys: list[str]) -> Store:
-    store = Store(_config(), connectors={1: lower})
+    """A memory tier above ``lower``, which alone holds ``keys`` (lookup checks existence
+    only, so what they hold does not matter)."""
+    config = {
+        "tiers": [{"url": "memory://", "capacity": 1 << 20}, {"url": "memory://lower"}],
+        "staging": 1 << 20,
+        "prefault": False,
+    }
+    store = Store(config, connectors={1: lower})
     await store.__aenter__()
     for key in keys:
-        await store.put(key, b"x")
-    await store.flush()
-    assert store.l1 is not None
-    for key in keys:
-        store.l1.remove(key)  # the lower tier answers every key
+        await lower.put(key, b"x")
     return store
 
 
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "per-key"])
 @pytest.mark.parametrize(
     "first_miss",
     [0, 1, LOOKUP_WINDOW - 1, LOOKUP_WINDOW, LOOKUP_WINDOW + 1, 319, 320, 321, 1343, 1344, COUNT],
 )
-async def test_the_prefix_ends_at_the_first_miss_wherever_it_falls(first_miss: int) -> None:
+async def test_the_prefix_ends_at_the_first_miss_wherever_it_falls(
+    first_miss: int, batch: bool
+) -> None:
     keys = [f"k{i}" for i in range(COUNT)]
-    lower = _Counting()
+    lower = _Counting(batch)
     store = await _store_with(lower, keys)
     try:
         if first_miss < COUNT:
             await lower.delete(keys[first_miss])
         lower.asked.clear()
         assert await store.lookup(keys) == first_miss
-        # The window that holds the miss is at most (growth - 1) times the keys before it.
-        assert sum(lower.asked) <= LOOKUP_GROWTH * first_miss + LOOKUP_WINDOW
+        if first_miss < LOOKUP_WINDOW:
+            assert lower.asked == [LOOKUP_WINDOW]
+        elif batch:
+            assert lower.asked == [LOOKUP_WINDOW, COUNT - LOOKUP_WINDOW]
+        else:  # the window that holds the miss is at most (growth - 1) times the keys before
+            assert sum(lower.asked) <= LOOKUP_GROWTH * first_miss + LOOKUP_WINDOW
     finally:
         await store.__aexit__(None, None, None)
 
 
-async def test_a_tier_without_the_first_key_is_asked_about_one_window() -> None:
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "per-key"])
+async def test_every_key_is_asked_once_when_all_are_held(batch: bool) -> None:
     keys = [f"k{i}" for i in range(COUNT)]
-    lower = _Counting()
+    lower = _Counting(batch)
     store = await _store_with(lower, keys)
     try:
-        await lower.delete(keys[0])
-        lower.asked.clear()
-        assert await store.lookup(keys) == 0
-        assert lower.asked == [LOOKUP_WINDOW]
-        lower.asked.clear()
-        assert await store.lookup(keys[1:]) == COUNT - 1  # all held: every key asked once
-        assert sum(lower.asked) == COUNT - 1
-        assert len(lower.asked) <= 4
+        assert await store.lookup(keys) == COUNT
+        assert sum(lower.asked) == COUNT
+        assert len(lower.asked) == (2 if batch else 4)  # 64 + rest; 64, 256, 1024, rest
     finally:
         await store.__aexit__(None, None, None)

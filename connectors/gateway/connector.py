@@ -43,7 +43,8 @@ _REFUSED_FRAME = {"bad_request", "corrupt", "unsupported", "missing_dependency"}
 
 class GatewayConnector(BaseConnector):
     scheme: ClassVar[str] = "gateway"
-    capabilities = Capabilities(persistent=True, max_key_length=MAX_KEY_BYTES)
+    # batch: exists_many is one POST /v1/exists
+    capabilities = Capabilities(batch=True, persistent=True, max_key_length=MAX_KEY_BYTES)
 
     def __init__(self, url: str, **options: Any) -> None:
         self.endpoint, self.options = parse(url, options)

@@ -118,7 +118,7 @@ class ValkeyConnector(BaseConnector):
             inline_max=options.inline_limit,
             min_part_size=MIN_PART_SIZE,
         )
-        self.capabilities = Capabilities(list=True, ttl=True, persistent=True)
+        self.capabilities = Capabilities(batch=True, list=True, ttl=True, persistent=True)
         self._scripts = True  # exists_many by script, until the server refuses one
 
     @classmethod

@@ -172,8 +172,10 @@ async def test_a_silent_server_is_a_timeout(silent_port: int) -> None:
 async def test_exists_many_of_a_remote_without_the_route_asks_per_key() -> None:
     """An older kvgate has no POST /v1/exists (404): HEADs answer instead, from then on."""
     seen: list[bytes] = []
+    writers: list[asyncio.StreamWriter] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -190,14 +192,19 @@ async def test_exists_many_of_a_remote_without_the_route_asks_per_key() -> None:
                     status = b"200 OK" if b"there" in line else b"404 Not Found"
                     writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\n\r\n")
                 await writer.drain()
-        writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    async with server:
-        port = server.sockets[0].getsockname()[1]
-        async with GatewayConnector.from_url(f"gateway://127.0.0.1:{port}") as conn:
-            assert await conn.exists_many(["there", "not", "there"]) == [True, False, True]
-            assert await conn.exists_many(["not", "there"]) == [False, True]
+    try:
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            async with GatewayConnector.from_url(f"gateway://127.0.0.1:{port}") as conn:
+                assert await conn.exists_many(["there", "not", "there"]) == [True, False, True]
+                assert await conn.exists_many(["not", "there"]) == [False, True]
+    finally:
+        for writer in writers:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
     posts = [line for line in seen if line.startswith(b"POST")]
     assert posts == [b"POST /v1/exists HTTP/1.1"]  # asked once, then HEADs only
 

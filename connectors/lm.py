@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -96,6 +96,11 @@ def parse_url(url: str) -> Address:
     return Address(parts.hostname or "127.0.0.1", port)
 
 
+def _slices(raw: bytes, size: int) -> list[memoryview]:
+    view = memoryview(raw)
+    return [view[i : i + size] for i in range(0, len(raw), size)]
+
+
 def wire_key(key: str) -> str:
     """The LMCache key string ``key`` travels as (module docs)."""
     try:
@@ -133,7 +138,8 @@ class LmConnector(BaseConnector):
         self.address = address
         self.options = options or LmOptions()
         # persistent: objects outlive the gateway (not a restart of the LMCache server).
-        self.capabilities = Capabilities(persistent=True, max_object_size=INT32_MAX)
+        # batch: exists_many pipelines its EXISTs on one connection
+        self.capabilities = Capabilities(batch=True, persistent=True, max_object_size=INT32_MAX)
         self.batch_concurrency = self.options.pool_size
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(self.options.pool_size)
@@ -254,6 +260,33 @@ class LmConnector(BaseConnector):
         if not await self._call(run):
             return False
         return bool(self._kvgate_server) or await self.get(key) is not None
+
+    async def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """The protocol has no batch EXIST, but a connection answers its requests in order:
+        every EXIST goes out on one connection at once, then their replies are read (one
+        round trip rather than one per key). The stock server's positives are then read
+        back, ``batch_concurrency`` at a time, to tell tombstones from data (``exists``)."""
+        if not keys:
+            return []
+        requests = b"".join(encode_request(Request(Command.EXIST, wire_key(k))) for k in keys)
+
+        async def run(conn: _Conn) -> list[bool]:
+            conn.writer.write(requests)  # replies are read while the transport sends
+            raw = await conn.reader.readexactly(REPLY.size * len(keys))
+            try:
+                replies = [parse_reply(r) for r in _slices(raw, REPLY.size)]
+            except WireError as exc:
+                raise Unavailable(f"lm:// server sent a bad reply header: {exc}") from None
+            return [r.code == Code.OK for r in replies]
+
+        flags = await self._call(run)
+        if self._kvgate_server:
+            return flags
+        found = [i for i, flag in enumerate(flags) if flag]
+        data = await self._each(len(found), lambda j: self.get(keys[found[j]]))
+        for i, got in zip(found, data, strict=True):
+            flags[i] = got is not None
+        return flags
 
     async def delete(self, key: str) -> bool:
         if not await self.exists(key):

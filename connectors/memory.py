@@ -105,7 +105,7 @@ class MemoryConnector(BaseConnector):
         self._space = space
         self.objects: dict[str, bytes] = space.objects
         """The real storage (key -> whole object); shared by instances of one name."""
-        self.capabilities = Capabilities(list=True, max_object_size=capacity)
+        self.capabilities = Capabilities(batch=True, list=True, max_object_size=capacity)
         self._closed = False
 
     @classmethod

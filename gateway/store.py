@@ -47,6 +47,10 @@ log = logging.getLogger("kvgate.store")
 
 DEFAULT_L1_CAPACITY = 2 << 30
 ALLOC_WAIT_POLL = 0.05  # seconds between re-tries while waiting for pool space
+# lookup asks a lower tier about LOOKUP_WINDOW keys first, then (a tier without batch
+# existence checks) windows LOOKUP_GROWTH times larger: see Store._leading_run.
+LOOKUP_WINDOW = 64
+LOOKUP_GROWTH = 4
 STAGING = "staging"  # lookup_detail's name for objects held in the pool of a store without L1
 # Why a ``skip`` tier's writes are bounded in bytes too, not only by ``queue_size``: a queue of
 # 64 jobs of 1 MiB pins more than a 64 MiB memory tier, and an L1 entry whose write is queued
@@ -602,19 +606,56 @@ class Store:
             if n == len(ks):
                 detail.append((tier.name, 0))
                 continue
-            try:
-                flags = await tier.exists_many(ks[n:])
-            except GatewayError as exc:
-                log.debug("tier %s: exists failed (%s): %s", tier.name, exc.kind, exc)
-                flags = []
-            run = 0
-            for k, flag in zip(ks[n:], flags, strict=False):
-                if not flag or k in writer.stale:
-                    break
-                run += 1
+            run = await self._leading_run(writer, tier, ks[n:])
             detail.append((tier.name, run))
             n += run
         return detail
+
+    async def _leading_run(self, writer: TierWriter, tier: ConnectorTier, keys: list[str]) -> int:
+        """How many leading ``keys`` ``tier`` holds, asked first about ``LOOKUP_WINDOW``: a
+        tier that lacks the first keys (a new prompt misses everywhere) is asked about a few,
+        not thousands. If it holds them all, a ``batch`` tier is asked about the rest at once
+        (one more round trip; extra keys cost it microseconds), any other in windows
+        ``LOOKUP_GROWTH`` times larger each (S3 answers with a HEAD per key: a miss wastes
+        at most three times the keys before it)."""
+        growth = len(keys) if tier.connector.capabilities.batch else LOOKUP_GROWTH
+        run, window = 0, LOOKUP_WINDOW
+        while run < len(keys):
+            asked = keys[run : run + window]
+            try:
+                flags = await tier.exists_many(asked)
+            except GatewayError as exc:
+                log.debug("tier %s: exists failed (%s): %s", tier.name, exc.kind, exc)
+                return run
+            for k, flag in zip(asked, flags, strict=False):
+                if not flag or k in writer.stale:
+                    return run
+                run += 1
+            if len(flags) < len(asked):
+                return run  # a short answer: the rest counts as absent
+            window *= growth
+        return run
+
+    async def contains_many(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """Whether each key is stored in any tier (no prefix rule: every key is answered).
+
+        Like ``lookup``, lower tiers answer from existence checks; each is asked only about
+        the keys the tiers above it lack. A tier that fails answers "not here"."""
+        ks = [normalize_key(k) for k in keys]
+        await self._ready()
+        found = [(self.l1 is not None and k in self.l1) or self._pending(k) for k in ks]
+        for writer, tier in zip(self.writers, self.tiers, strict=True):
+            asked = [i for i, hit in enumerate(found) if not hit]
+            if not asked:
+                break
+            try:
+                flags = await tier.exists_many([ks[i] for i in asked])
+            except GatewayError as exc:
+                log.debug("tier %s: exists failed (%s): %s", tier.name, exc.kind, exc)
+                continue
+            for i, flag in zip(asked, flags, strict=False):
+                found[i] = flag and ks[i] not in writer.stale
+        return found
 
     def _pending(self, key: str) -> bool:
         return any(w.pending(key) is not None for w in self.writers)

@@ -312,6 +312,29 @@ class ConnectorConformance:
         await connector.put_many([(keys[0], [b"ab", bytearray(b"cd")]), (keys[1], b"")])
         assert await connector.get_many(keys[:2]) == [b"abcd", b""]
 
+    async def test_exists_many_answers_each_key_in_order(
+        self, connector: Connector, prefix: str
+    ) -> None:
+        """A batch like a prefix lookup's: hundreds of keys, present and absent interleaved,
+        repeated keys, odd keys; each answer in its key's place."""
+        _need_data(connector.capabilities)
+        limit = connector.capabilities.max_key_length
+        odd = [
+            f"{prefix}{k}"
+            for k in ODD_KEYS
+            if limit is None or len(f"{prefix}{k}".encode()) <= limit
+        ]
+        keys = [f"{prefix}many/{i}" for i in range(300)] + odd
+        stored = {k for i, k in enumerate(keys) if i % 3 != 1}  # present, absent, present, ...
+        for key in sorted(stored):
+            await connector.put(key, b"v")
+        asked = [*keys, keys[0], keys[1], keys[0]]  # duplicates answer like the first time
+        want = [k in stored for k in asked]
+        assert await connector.exists_many(asked) == want
+        assert await connector.exists_many(asked[::-1]) == want[::-1]
+        assert await connector.exists_many([keys[1]]) == [False]
+        assert await connector.exists_many([keys[0]]) == [True]
+
     @pytest.mark.parametrize("size", [0, 5, MiB + 3])
     async def test_get_into(self, connector: Connector, prefix: str, size: int) -> None:
         _need_data(connector.capabilities)

@@ -31,6 +31,9 @@ class Capabilities:
     ``max_object_size`` is in bytes (None = no limit the connector knows of). ``zero_copy``
     means ``get_into`` reads straight into a caller's buffer instead of copying from ``get``.
     ``persistent`` means objects survive a restart of the process (and of the Store).
+    ``batch`` means ``exists_many`` answers many keys in one round trip (a pipeline, a batch
+    call, an index in memory), not one request per key: ``Store.lookup`` then asks such a tier
+    about all remaining keys once its first window is all there.
     """
 
     batch: bool = False

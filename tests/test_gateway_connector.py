@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -125,6 +126,8 @@ async def test_nothing_listening_is_unavailable() -> None:
             await conn.get("k")
         with pytest.raises(Unavailable):
             await conn.put("k", b"v")
+        with pytest.raises(Unavailable):
+            await conn.exists_many(["k", "j"])
 
 
 async def _raw_server(answer: bytes | None) -> AsyncIterator[int]:
@@ -161,7 +164,49 @@ async def test_a_silent_server_is_a_timeout(silent_port: int) -> None:
     with pytest.raises(Timeout):
         await conn.get("k")
     assert time.monotonic() - start < 5.0  # 0.3 s, against a silence with no end (room for load)
+    with pytest.raises(Timeout):
+        await conn.exists_many(["k", "j"])
     await conn.close()
+
+
+async def test_exists_many_of_a_remote_without_the_route_asks_per_key() -> None:
+    """An older kvgate has no POST /v1/exists (404): HEADs answer instead, from then on."""
+    seen: list[bytes] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                line = head.split(b"\r\n", 1)[0]
+                seen.append(line)
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                await reader.readexactly(int(length[1]) if length else 0)
+                if line.startswith(b"POST"):
+                    body = b'{"detail": "Not Found"}'
+                    writer.write(
+                        b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+                    )
+                else:  # HEAD: "there" is stored, nothing else
+                    status = b"200 OK" if b"there" in line else b"404 Not Found"
+                    writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\n\r\n")
+                await writer.drain()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            async with GatewayConnector.from_url(f"gateway://127.0.0.1:{port}") as conn:
+                assert await conn.exists_many(["there", "not", "there"]) == [True, False, True]
+                assert await conn.exists_many(["not", "there"]) == [False, True]
+    finally:
+        for writer in writers:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+    posts = [line for line in seen if line.startswith(b"POST")]
+    assert posts == [b"POST /v1/exists HTTP/1.1"]  # asked once, then HEADs only
 
 
 @pytest.mark.parametrize(

@@ -180,8 +180,8 @@ class FileConnector(BaseConnector):
         self.fsync = fsync
         self.fsync_dir = fsync_dir
         self.direct_io = direct_io
-        self.capabilities = Capabilities(
-            list=True, zero_copy=True, persistent=True, max_object_size=capacity
+        self.capabilities = Capabilities(  # batch: exists_many reads the index in memory
+            batch=True, list=True, zero_copy=True, persistent=True, max_object_size=capacity
         )
         policy = make_policy(eviction, capacity or 0)  # checks the name even without capacity
         self._policy: EvictionPolicy[str] | None = policy if capacity is not None else None

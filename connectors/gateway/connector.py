@@ -10,7 +10,8 @@ has a deadline (``timeout``, around the whole call) and goes through ``errors.py
   so the promise holds through a chain of gateways.
 - get: ``Accept: application/vnd.kvgate.frame`` with ``x-kvgate-codec`` (the ``codec`` option,
   raw by default): the frame comes back as the remote encoded it; 404 is a miss.
-- exists is HEAD, delete is DELETE. ``list`` is unsupported (``capabilities.list`` is False):
+- exists is HEAD, exists_many one ``POST /v1/exists`` (per-key HEADs against a remote that
+  lacks the route), delete is DELETE. ``list`` is unsupported (``capabilities.list`` is False):
   the remote's ``GET /v1/keys`` reports the sizes of its own objects, not of the frames this
   tier wrote, and keys this connector escaped would come back escaped.
 """
@@ -42,7 +43,8 @@ _REFUSED_FRAME = {"bad_request", "corrupt", "unsupported", "missing_dependency"}
 
 class GatewayConnector(BaseConnector):
     scheme: ClassVar[str] = "gateway"
-    capabilities = Capabilities(persistent=True, max_key_length=MAX_KEY_BYTES)
+    # batch: exists_many is one POST /v1/exists
+    capabilities = Capabilities(batch=True, persistent=True, max_key_length=MAX_KEY_BYTES)
 
     def __init__(self, url: str, **options: Any) -> None:
         self.endpoint, self.options = parse(url, options)
@@ -56,6 +58,7 @@ class GatewayConnector(BaseConnector):
         if self.options.codec_options:
             self._get_headers["x-kvgate-codec-options"] = json.dumps(self.options.codec_options)
         self._in_flight = InFlight()
+        self._batch_exists = True  # POST /v1/exists, until the remote says it has no such route
         self._closed = False
 
     @classmethod
@@ -109,6 +112,28 @@ class GatewayConnector(BaseConnector):
         if response.status_code == 404:
             return False
         raise error_for(response, where)
+
+    async def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """``POST /v1/exists``: one request per ``wire.MAX_BATCH_KEYS`` keys. A remote
+        without the route (an older kvgate: 404 or 405) gets one HEAD per key instead, from
+        then on."""
+        remotes = [_remote(k) for k in keys]
+        asked = [r for r in remotes if r is not None]
+        if not self._batch_exists or not asked:
+            return await super().exists_many(keys)
+        answers: list[bool] = []
+        for start in range(0, len(asked), wire.MAX_BATCH_KEYS):
+            chunk = asked[start : start + wire.MAX_BATCH_KEYS]
+            with self._op("POST /v1/exists") as where:
+                response = await self._request("POST", "/v1/exists", json={"keys": chunk})
+            if response.status_code in (404, 405):
+                self._batch_exists = False
+                return await super().exists_many(keys)
+            if response.status_code != 200:
+                raise error_for(response, where)
+            answers += wire.exists_answer(response.content, len(chunk), where)
+        found = iter(answers)
+        return [r is not None and next(found) for r in remotes]
 
     # -- writes ------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ a version byte, which no frame and, in practice, no user object starts with.
 from __future__ import annotations
 
 import base64
+import json
 import struct
 from collections.abc import Sequence
 from urllib.parse import quote
@@ -31,6 +32,7 @@ ESCAPED = "~kvgate-escaped~"
 OPAQUE = b"\x00kvgate-opaque\x00\x01"
 FRAME_TYPE = "application/vnd.kvgate.frame"
 BYTES_TYPE = "application/octet-stream"
+MAX_BATCH_KEYS = 65536  # keys the service takes in one lookup or exists request
 
 
 def remote_key(key: str) -> str | None:
@@ -108,3 +110,16 @@ def unwrap_plain(body: bytes) -> memoryview:
     """What a plain-payload GET answer holds: the bytes, less ``OPAQUE`` when they start so."""
     view = memoryview(body)
     return view[len(OPAQUE) :] if view[: len(OPAQUE)] == OPAQUE else view
+
+
+def exists_answer(body: bytes, count: int, where: str) -> list[bool]:
+    """The ``exists`` list of a ``POST /v1/exists`` answer, checked: ``count`` booleans."""
+    try:
+        flags = json.loads(body)["exists"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GatewayError(f"{where}: the answer is not {{'exists': [...]}}: {exc}") from None
+    if not isinstance(flags, list) or len(flags) != count:
+        raise GatewayError(f"{where}: asked about {count} keys, the answer has another count")
+    if not all(isinstance(f, bool) for f in flags):
+        raise GatewayError(f"{where}: the answer's 'exists' holds something other than true/false")
+    return flags

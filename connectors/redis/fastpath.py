@@ -52,6 +52,7 @@ from redis.exceptions import AskError, ReadOnlyError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from connectors.fanout import run_all
 from connectors.redis.client import Endpoint, RedisClient
 from connectors.redis.resp import Incomplete, ProtocolError, command, parse_reply, set_command
 from gateway.connector import read_limit
@@ -65,8 +66,13 @@ _COALESCE = 64 << 10  # pieces of a request under this are joined before they ar
 # Flow control: pause after 256 KiB queued in the transport, resume under 64 KiB. Writing in
 # slices against these marks keeps the transport from copying a whole part into its buffer.
 _HIGH_WATER, _LOW_WATER = 256 << 10, 64 << 10
-_IDLE, _HEAD, _BODY, _TRAILER, _REPLIES, _TAG, _DEAD = range(7)
+_IDLE, _HEAD, _BODY, _TRAILER, _REPLIES, _TAG, _DEAD, _LINES = range(8)
 _CRLF = b"\r\n"
+# One-line replies (lines()): how long one may be, and the common ones decoded by a dict lookup
+# rather than by parse_reply (a pipelined EXISTS of 4096 keys is 4096 replies).
+_MAX_LINE = 512
+_LINES_READ = 64 * 1024
+_COMMON_LINES: dict[bytes, object] = {b":0": 0, b":1": 1, b"+OK": b"OK"}
 
 HIT: Final = "hit"
 MISS: Final = "miss"
@@ -75,10 +81,25 @@ MOVED: Final = "moved"
 FOREIGN: Final = "foreign"  # a value longer than small_max whose first byte is not the tag
 TOO_LARGE: Final = "too large"  # an inline value over the reader's read_limit()
 Allocator = Callable[[int], memoryview | None]
+_EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"
 
 
 # Failures after which a node may no longer be the one to talk to (OSError: refused, reset).
 _TOPOLOGY_ERRORS = (RedisConnectionError, RedisTimeoutError, ReadOnlyError)
+
+
+def _one_line(line: bytes) -> object:
+    """A one-line reply that ``_COMMON_LINES`` does not hold: integer, status or error."""
+    if line[:1] == b"-":
+        return BaseParser.parse_error(line[1:].decode(errors="replace"))  # type: ignore[no-untyped-call]
+    if line[:1] == b":":
+        try:
+            return int(line[1:])
+        except ValueError:
+            raise ProtocolError(f"bad integer reply {line[:40]!r}") from None
+    if line[:1] == b"+":
+        return line[1:]
+    raise ProtocolError(f"expected a one-line reply, got {line[:40]!r}")
 
 
 class FastConnection(asyncio.BufferedProtocol):
@@ -96,6 +117,8 @@ class FastConnection(asyncio.BufferedProtocol):
         self._filled = 0
         self._trailer = 0
         self._count = 0  # small replies expected
+        self._lines_seen = 0  # lines(): CRLFs counted so far in _head
+        self._lines_buffer: bytearray | None = None  # lines(): what replies are read into
         self._alloc: Allocator | None = None  # get_object: where an inline object goes
         self._tag = 0  # get_object: the first byte an inline object starts with
         self._small_max = 0  # get_object: values up to this long come back whole
@@ -133,6 +156,10 @@ class FastConnection(asyncio.BufferedProtocol):
             writable.set_result(None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._state == _LINES:  # many small replies: take them in large reads
+            if self._lines_buffer is None:
+                self._lines_buffer = bytearray(_LINES_READ)
+            return memoryview(self._lines_buffer)
         if self._state == _BODY and self._dst is not None:
             return self._dst[self._filled :]
         if self._state == _TRAILER:
@@ -147,6 +174,9 @@ class FastConnection(asyncio.BufferedProtocol):
             if self._filled == self._dst.nbytes:
                 self._state, self._trailer = _TRAILER, 2
             return
+        if self._state == _LINES and self._lines_buffer is not None:
+            self._parse_lines(memoryview(self._lines_buffer)[:nbytes])
+            return
         self._feed(memoryview(self._scratch)[:nbytes])
 
     # -- parsing --------------------------------------------------------------------------
@@ -156,6 +186,9 @@ class FastConnection(asyncio.BufferedProtocol):
             if self._state == _REPLIES:
                 self._head += data
                 self._parse_replies()
+                return
+            if self._state == _LINES:
+                self._parse_lines(data)
                 return
             if self._state == _HEAD:
                 self._head += data
@@ -282,6 +315,33 @@ class FastConnection(asyncio.BufferedProtocol):
         self._head.clear()
         self._done(replies)
 
+    def _parse_lines(self, data: memoryview) -> None:
+        """lines(): count CRLFs as bytes come (a CRLF split over two reads counts once,
+        when its LF arrives); once ``_count`` lines are here, decode them all at once."""
+        start = max(len(self._head) - 1, 0)
+        self._head += data
+        self._lines_seen += self._head.count(_CRLF, start)
+        if self._lines_seen < self._count:
+            if len(self._head) > (self._count + 1) * _MAX_LINE:
+                self._violation("one-line replies longer than any such reply")
+            return
+        if self._lines_seen > self._count or not self._head.endswith(_CRLF):
+            self._violation("bytes after the replies asked for")
+            return
+        lines = bytes(self._head).split(_CRLF)
+        lines.pop()  # the empty string after the last CRLF
+        common = _COMMON_LINES
+        replies = [common.get(line, self) for line in lines]
+        for i, reply in enumerate(replies):
+            if reply is self:  # not a common one: an error, another integer or status
+                try:
+                    replies[i] = _one_line(lines[i])
+                except ProtocolError as exc:
+                    self._violation(str(exc))
+                    return
+        self._head.clear()
+        self._done(replies)
+
     def _done(self, result: object) -> None:
         self._state = _IDLE
         self._dst = None
@@ -338,6 +398,15 @@ class FastConnection(asyncio.BufferedProtocol):
         """Send the commands in ``chunks``; their ``replies`` replies, errors as values."""
         self._count = replies
         result = await self._request(chunks, _REPLIES)
+        assert isinstance(result, list)
+        return result
+
+    async def lines(self, chunks: Sequence[Buffer], replies: int) -> list[object]:
+        """Like ``call``, for commands whose replies are all one line (integer, status or
+        error, not bulk or array): a pipeline of many small commands (EXISTS of many keys)
+        parsed in one pass."""
+        self._count, self._lines_seen = replies, 0
+        result = await self._request(chunks, _LINES)
         assert isinstance(result, list)
         return result
 
@@ -452,6 +521,41 @@ class FastPath:
             if isinstance(reply, ReadOnlyError):
                 self.client.suspect(await self.client.endpoint_for(key))
         return result
+
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether each of ``keys`` exists: one ``EXISTS`` per key, each node's keys pipelined
+        in one request, the nodes in parallel. None when a key's slot moved (ask redis-py)."""
+        groups: dict[Endpoint, list[int]] = {}
+        if self.client.cluster is None:
+            groups[await self.client.endpoint_for(keys[0])] = list(range(len(keys)))
+        else:
+            for i, key in enumerate(keys):
+                groups.setdefault(await self.client.endpoint_for(key), []).append(i)
+        flags = [False] * len(keys)
+        moved = False
+
+        def ask(at: list[int]) -> Callable[[], Awaitable[None]]:
+            async def one() -> None:
+                nonlocal moved
+                chunks = [b"".join([_EXISTS % (len(keys[i]), keys[i]) for i in at])]
+                replies = await self._run(keys[at[0]], "exists", lambda c: c.lines(chunks, len(at)))
+                if replies == MOVED:
+                    moved = True
+                    return
+                assert isinstance(replies, list)
+                for i, reply in zip(at, replies, strict=True):
+                    if isinstance(reply, AskError):  # MOVED too: a slot moved
+                        moved = True
+                    elif isinstance(reply, Exception):
+                        raise self.client.error(reply, "exists")
+                    else:
+                        flags[i] = reply == 1
+
+            return one
+
+        jobs = [ask(at) for at in groups.values()]
+        await (jobs[0]() if len(jobs) == 1 else run_all(jobs))
+        return None if moved else flags
 
     async def _run(
         self,

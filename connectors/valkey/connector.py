@@ -31,12 +31,20 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar, Self, cast
 
-from glide import ClusterScanCursor, GlideClusterClient
+from glide import (
+    Batch,
+    ClusterBatch,
+    ClusterScanCursor,
+    GlideClusterClient,
+    GlideError,
+    Script,
+)
 
 from connectors._options import parse_options
 from connectors.valkey.client import (
@@ -56,11 +64,28 @@ from connectors.valkey.config import (
 )
 from gateway.client_baseline import timed_put_get
 from gateway.connector import Allocator, BaseConnector
+from gateway.errors import GatewayError
 from gateway.parts import INLINE, MalformedValue, StripedObjects, size_of
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
+log = logging.getLogger(__name__)
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
 SCAN_COUNT = 1000
+
+
+# EXISTS of each key, as a list of 0/1 in key order (scripts get their keys as KEYS).
+_EXISTS_EACH = Script(  # type: ignore[no-untyped-call]
+    "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
+)
+# How a server says no to scripts: an ACL without EVALSHA, EVAL renamed away, scripting off.
+_SCRIPT_REFUSALS = ("NOPERM", "UNKNOWN COMMAND", "DISABLED")
+_SCRIPT_KEYS = 4096  # keys per script call: a call blocks the server for about a millisecond
+
+
+def _flags(replies: object, count: int, target: str) -> builtins.list[bool]:
+    if not isinstance(replies, list) or len(replies) != count:
+        raise GatewayError(f"{target}: EXISTS of {count} keys went unanswered")
+    return [bool(n) for n in replies]
 
 
 def glob_escape(raw: bytes) -> bytes:
@@ -93,7 +118,8 @@ class ValkeyConnector(BaseConnector):
             inline_max=options.inline_limit,
             min_part_size=MIN_PART_SIZE,
         )
-        self.capabilities = Capabilities(list=True, ttl=True, persistent=True)
+        self.capabilities = Capabilities(batch=True, list=True, ttl=True, persistent=True)
+        self._scripts = True  # exists_many by script, until the server refuses one
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -124,6 +150,46 @@ class ValkeyConnector(BaseConnector):
         client = await self._pool.client()
         with glide_errors(self._pool.target):
             return await client.exists([main]) > 0
+
+    async def exists_many(self, keys: Sequence[str]) -> builtins.list[bool]:
+        """One reply per key. On one server, a Lua script answers ``_SCRIPT_KEYS`` keys a
+        call (glide builds each command of a batch in Python: 1024 EXISTS in a batch took
+        10-20 ms, the script 3-4 ms); a server that refuses scripts (ACLs, managed services)
+        gets the batch from then on. A cluster's keys spread over slots, which one script
+        cannot span: a non-atomic batch, which glide sends each node its share of."""
+        if not keys:
+            return []
+        mains = [self.main_key(k) for k in keys]
+        client = await self._pool.client()
+        if self._scripts and not isinstance(client, GlideClusterClient):
+            try:
+                flags: builtins.list[bool] = []
+                for start in range(0, len(mains), _SCRIPT_KEYS):
+                    chunk = mains[start : start + _SCRIPT_KEYS]
+                    replies = await client.invoke_script(_EXISTS_EACH, keys=chunk)
+                    flags += _flags(replies, len(chunk), self._pool.target)
+                return flags
+            except GlideError as exc:
+                if not any(code in str(exc).upper() for code in _SCRIPT_REFUSALS):
+                    with glide_errors(self._pool.target):
+                        raise  # as its kvgate kind
+                log.info("%r: EXISTS by script refused (%s); batches from now on", self, exc)
+                self._scripts = False
+        return _flags(await self._batch_exists(client, mains), len(mains), self._pool.target)
+
+    async def _batch_exists(self, client: Client, mains: builtins.list[bytes]) -> object:
+        def queue(batch: Any) -> None:  # a Batch or a ClusterBatch: the same methods
+            for main in mains:
+                batch.exists([main])
+
+        with glide_errors(self._pool.target):
+            if isinstance(client, GlideClusterClient):
+                cluster_batch = ClusterBatch(is_atomic=False)
+                queue(cluster_batch)
+                return await client.exec(cluster_batch, raise_on_error=True)
+            batch = Batch(is_atomic=False)
+            queue(batch)
+            return await client.exec(batch, raise_on_error=True)
 
     async def delete(self, key: str) -> bool:
         return await self._striped.delete(self.main_key(key))

@@ -1,4 +1,5 @@
-"""``kvgate bench`` (a Store against its baseline) and ``kvgate bench codecs``."""
+"""``kvgate bench`` (a Store against its baseline), ``kvgate bench codecs`` and
+``kvgate bench lookup``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from gateway.bench.lookup import DEFAULT_LENGTHS, DEFAULT_STACKS, parse_stack
 from gateway.bench.store import BenchResult, combine_runs, run_bench
 from gateway.config import parse_size
 
@@ -31,8 +33,9 @@ def _json_object(text: str, what: str) -> dict[str, Any]:
     return value
 
 
-# `kvgate bench [options]` runs the Store bench; `kvgate bench codecs [options]` the codec one.
-bench_app = typer.Typer(subcommand_metavar="[codecs [OPTIONS]]")
+# `kvgate bench [options]` runs the Store bench; `kvgate bench codecs [options]` the codec one,
+# `kvgate bench lookup [options]` the prefix lookup one.
+bench_app = typer.Typer(subcommand_metavar="[codecs|lookup [OPTIONS]]")
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -65,7 +68,8 @@ def bench(
 ) -> None:
     """Benchmarks: put then get COUNT objects through a Store, next to a baseline.
 
-    The codecs instead (ratio, error, speed): kvgate bench codecs [OPTIONS].
+    The codecs instead (ratio, error, speed): kvgate bench codecs [OPTIONS]; prefix lookup
+    latency: kvgate bench lookup [OPTIONS].
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -301,6 +305,97 @@ def _err(value: float) -> str:
     if value == 0:
         return "0"
     return f"{value:.4f}" if value >= 1e-3 else f"{value:.2e}"
+
+
+@bench_app.command("lookup")
+def bench_lookup(
+    stack: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--stack",
+            "-s",
+            help="tiers in order, comma-separated: memory, file, redis or URLs (repeat); "
+            f"default: {'; '.join(DEFAULT_STACKS)}",
+        ),
+    ] = None,
+    lengths: Annotated[str, typer.Option(help="prefix lengths (keys), comma-separated")] = ",".join(
+        map(str, DEFAULT_LENGTHS)
+    ),
+    rounds: Annotated[int, typer.Option(min=3, help="timed lookups per point")] = 50,
+    redis: Annotated[
+        str | None,
+        typer.Option(
+            help="redis:// URL for 'redis' in a stack (default: a redis-server of its own)"
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+) -> None:
+    """Store.lookup latency (p50, p99) against the prefix length, per tier stack, every key
+    answered by the stack's deepest tier, next to that tier's raw client on the same keys."""
+    from gateway.bench.lookup import run_lookup_bench, summary
+
+    try:
+        stacks = [parse_stack(s) for s in (stack or list(DEFAULT_STACKS))]
+        sizes = [int(n) for n in lengths.split(",") if n.strip()]
+        if not sizes or min(sizes) < 1:
+            raise ValueError("lengths must be positive integers")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--stack / --lengths") from None
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        console=err,
+        transient=True,
+        disable=as_json or not sys.stderr.isatty(),
+    ) as bar:
+        task = bar.add_task("bench lookup", total=len(stacks) * len(sizes))
+        try:
+            points = asyncio.run(
+                run_lookup_bench(
+                    stacks,
+                    lengths=sizes,
+                    rounds=rounds,
+                    redis_url=redis,
+                    progress=lambda n: bar.advance(task, n),
+                )
+            )
+        except RuntimeError as exc:
+            err.print(f"kvgate bench lookup: {exc}", soft_wrap=True)
+            raise typer.Exit(2) from None
+    data = summary(points)
+    if as_json:
+        print(json.dumps(data))
+        return
+    table = Table(
+        title=f"kvgate bench lookup: every key in the deepest tier, {rounds} rounds",
+        caption="ratio: kvgate p50 / baseline p50 (1.0 = as fast); "
+        f"load average {data['loadavg'][0]:.2f}",
+    )
+    for col in ("stack", "keys", "p50 ms", "p99 ms", "baseline", "base p50", "base p99"):
+        table.add_column(col, justify="left" if col in ("stack", "baseline") else "right")
+    table.add_column("ratio", justify="right")
+    table.add_column("floor p50", justify="right")
+    for p in points:
+        table.add_row(
+            p.stack,
+            str(p.length),
+            f"{p.p50_ms:.3f}",
+            f"{p.p99_ms:.3f}",
+            p.baseline or "-",
+            _ms(p.baseline_p50_ms),
+            _ms(p.baseline_p99_ms),
+            "-" if p.ratio is None else f"{p.ratio:.2f}",
+            _ms(p.floor_p50_ms),
+        )
+    _wide_console().print(table)
+    if any(p.floor for p in points):
+        floors = sorted({p.floor for p in points if p.floor})
+        _wide_console().print(f"floor: {', '.join(floors)}", soft_wrap=True, highlight=False)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _wide_console() -> Console:

@@ -1,4 +1,5 @@
-"""The object API: ``PUT``/``GET``/``HEAD``/``DELETE /v1/objects/{key}`` and ``POST /v1/lookup``.
+"""The object API: ``PUT``/``GET``/``HEAD``/``DELETE /v1/objects/{key}``, ``POST /v1/lookup``
+and ``POST /v1/exists``.
 
 An object travels either as its plain bytes (``application/octet-stream``, with kind, dtype,
 shape and memory format in ``x-kvgate-*`` headers) or as a kvgate frame
@@ -103,6 +104,14 @@ class LookupRequest(BaseModel):
     keys: list[str] = Field(max_length=MAX_LOOKUP_KEYS)
 
 
+class ExistsRequest(BaseModel):
+    keys: list[str] = Field(max_length=MAX_LOOKUP_KEYS)
+
+
+class ExistsAnswer(BaseModel):
+    exists: list[bool] = Field(description="per key, in order: whether any tier stores it")
+
+
 class TierHits(BaseModel):
     tier: str
     hits: int = Field(
@@ -141,6 +150,13 @@ _LOOKUP_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "content": {"application/json": {"schema": LookupRequest.model_json_schema()}},
+    }
+}
+
+_EXISTS_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": ExistsRequest.model_json_schema()}},
     }
 }
 
@@ -253,5 +269,14 @@ def object_router() -> APIRouter:
         detail = await state.store.lookup_detail(asked.keys)
         tiers = [TierHits(tier=name, hits=n) for name, n in detail]
         return LookupAnswer(prefix=sum(n for _, n in detail), tiers=tiers)
+
+    @router.post("/v1/exists", response_model=ExistsAnswer, openapi_extra=_EXISTS_BODY)
+    async def exists(request: Request) -> ExistsAnswer:
+        """Whether each key is stored, in any tier, every key answered (``lookup`` stops at
+        the first miss). Lower tiers answer from existence checks, as for ``lookup``: a get
+        can still miss."""
+        state = state_of(request)
+        asked = await read_json(request, state.max_json, ExistsRequest)
+        return ExistsAnswer(exists=await state.store.contains_many(asked.keys))
 
     return router

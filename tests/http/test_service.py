@@ -317,6 +317,20 @@ async def test_lookup_prefix_and_tiers(client: httpx.AsyncClient) -> None:
     }
 
 
+async def test_exists_answers_every_key_in_order(client: httpx.AsyncClient) -> None:
+    for k in ("k0", "k1", "k3"):
+        await client.put(f"/v1/objects/{k}", content=k.encode())
+    await client.post("/v1/flush")
+    keys = ["k0", "k2", "k3", "k1", "k2", "k0"]
+    r = await client.post("/v1/exists", json={"keys": keys})
+    assert r.status_code == 200
+    assert r.json() == {"exists": [True, False, True, True, False, True]}
+    assert (await client.post("/v1/exists", json={"keys": []})).json() == {"exists": []}
+    r = await client.post("/v1/exists", json={"keys": ["bad\nkey"]})
+    assert r.status_code == 400
+    assert r.json()["error"] == "invalid_key"
+
+
 def _entries(items: list[tuple[str, bytes]]) -> bytes:
     out = b""
     for key, frame in items:

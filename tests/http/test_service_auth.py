@@ -52,6 +52,7 @@ async def test_requests_without_the_token_are_refused(base_url: str) -> None:
                 ("GET", "/v1/objects/k"),
                 ("DELETE", "/v1/objects/k"),
                 ("POST", "/v1/lookup"),
+                ("POST", "/v1/exists"),
                 ("POST", "/v1/batch/get"),
                 ("POST", "/v1/batch/put"),
                 ("POST", "/v1/flush"),

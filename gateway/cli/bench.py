@@ -32,7 +32,7 @@ def _json_object(text: str, what: str) -> dict[str, Any]:
 
 
 # `kvgate bench [options]` runs the Store bench; `kvgate bench codecs [options]` the codec one.
-bench_app = typer.Typer(subcommand_metavar="[codecs [OPTIONS]]")
+bench_app = typer.Typer(subcommand_metavar="[codecs | scale [OPTIONS]]")
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -312,5 +312,8 @@ def _wide_console() -> Console:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``bench`` (and ``bench codecs``) to the ``kvgate`` command."""
+    """Add ``bench`` (and ``bench codecs``, ``bench scale``) to the ``kvgate`` command."""
+    from gateway.cli.bench_scale import register_scale
+
+    register_scale(bench_app)
     app.add_typer(bench_app, name="bench")

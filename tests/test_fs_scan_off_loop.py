@@ -15,30 +15,22 @@ from connectors.fs.connector import FileConnector
 COUNT = 20_000
 
 
-async def _write_records(root: Path, count: int) -> list[str]:
-    """``count`` whole records written the way a put leaves them (without a connector, which
-    would take far longer), with mtimes in reverse key order."""
-    probe = FileConnector(root)  # for path_for only; closed before the real one opens
+def _write_records(root: Path, count: int) -> list[str]:
+    """``count`` whole records where a put leaves them, objects/ab/cd/<hash>.kvo (without a
+    connector, which would take far longer), with mtimes in reverse key order."""
     keys = [f"scan/{i:06d}" for i in range(count)]
-    made: set[str] = set()
-    try:
-        for i, key in enumerate(keys):
-            path = probe.path_for(key)
-            folder = os.path.dirname(path)
-            if folder not in made:
-                os.makedirs(folder, exist_ok=True)
-                made.add(folder)
-            data = i.to_bytes(8, "little")
-            with open(path, "wb") as f:
-                f.write(rec.pack_head(key, len(data)) + data)
-            os.utime(path, ns=(count - i, count - i))
-    finally:
-        await probe.close()  # it never opened: nothing was scanned
+    for i, key in enumerate(keys):
+        a, b, name = rec.object_name(key)
+        folder = root / "objects" / a / b
+        folder.mkdir(parents=True, exist_ok=True)
+        data = i.to_bytes(8, "little")
+        (folder / name).write_bytes(rec.pack_head(key, len(data)) + data)
+        os.utime(folder / name, ns=(count - i, count - i))
     return keys
 
 
 async def test_index_is_built_off_the_event_loop(tmp_path: Path) -> None:
-    keys = await _write_records(tmp_path, COUNT)
+    keys = _write_records(tmp_path, COUNT)
     conn = FileConnector(tmp_path, capacity=8 * (COUNT - 1))  # room for all but one
     try:
         started = time.thread_time()  # this thread runs the loop; the scan's thread is apart

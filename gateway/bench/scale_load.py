@@ -25,11 +25,13 @@ import aiohttp
 
 from gateway.bench.scale_stats import cpu_seconds_of, memory_of, percentile_ms
 
-KEY_BYTES = 128 << 20  # the keys of one size span this much: all in the server's memory tier
+KEY_BYTES = 128 << 20  # the keys of one size span at most this much: all in the memory tier
 
 
 def keys_for(size: int) -> list[str]:
-    count = max(64, min(1024, KEY_BYTES // max(size, 1)))
+    """64-256 keys (as many as fit in KEY_BYTES): more than the most clients, so that no two
+    clients work on one key at once."""
+    count = max(64, min(256, KEY_BYTES // max(size, 1)))
     return [f"scale/{size}/{i}" for i in range(count)]
 
 
@@ -75,16 +77,22 @@ async def _phase(
     }
 
 
+async def _store_all(base: str, keys: list[str], body: bytes) -> None:
+    headers = {"content-type": "application/octet-stream"}
+    async with aiohttp.ClientSession() as session:
+
+        async def store(key: str) -> None:
+            async with session.put(f"{base}/v1/objects/{key}", data=body, headers=headers):
+                pass
+
+        await asyncio.gather(*map(store, keys))
+
+
 async def run(base: str, server_pid: int, spec: dict[str, Any]) -> None:
     for size in spec["sizes"]:
         body = os.urandom(size)
         keys = keys_for(size)
-        # Every key stored once first, so that every get of the sweep is a hit.
-        async with aiohttp.ClientSession() as session:
-            for key in keys:
-                headers = {"content-type": "application/octet-stream"}
-                async with session.put(f"{base}/v1/objects/{key}", data=body, headers=headers):
-                    pass
+        await _store_all(base, keys, body)  # so that every get of the sweep is a hit
         for clients in spec["clients"]:
             point: dict[str, Any] = {"size": size, "clients": clients}
             for method in ("PUT", "GET"):

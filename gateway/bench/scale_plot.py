@@ -20,8 +20,10 @@ def draw_scale(report: dict[str, Any], path: Path) -> None:
         panels += ["throughput", "p99"]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
-    ax_of = dict(zip(panels, axes[0], strict=True))
+    cols = min(2, len(panels))  # two by two when both curves are drawn
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.2 * cols, 4.6 * nrows), squeeze=False)
+    ax_of = dict(zip(panels, axes.flat, strict=False))
     if "objects" in report:
         pts = report["objects"]["points"]
         n = [p["objects"] for p in pts]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from gateway.bench.scale_plot import draw_scale
 from gateway.bench.scale_stats import loglog_slope, memory_of
 from gateway.cli.app import app
 
@@ -34,10 +35,9 @@ def test_objects_curve_reports_each_level(tmp_path: Path) -> None:
     assert "clients" not in report
 
 
-def test_clients_curve_and_plot(tmp_path: Path) -> None:
-    png = tmp_path / "scale.png"
+def test_clients_curve(tmp_path: Path) -> None:
     args = ["bench", "scale", "--curve", "clients", "--clients", "1,2", "--sizes", "4KiB"]
-    args += ["--duration", "0.1", "--serve-memory", "32MiB", "--plot", str(png), "--json"]
+    args += ["--duration", "0.1", "--serve-memory", "32MiB", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)["clients"]
@@ -49,6 +49,19 @@ def test_clients_curve_and_plot(tmp_path: Path) -> None:
             assert 0 < p[phase]["p50_ms"] <= p[phase]["p99_ms"]
         assert p["server_rss"] > 0
     assert set(report["slopes"]) == {"put 4096", "get 4096"}
+
+
+def test_plot_draws_both_curves(tmp_path: Path) -> None:
+    phase = {"ops_per_s": 100.0, "p99_ms": 2.0}
+    served = [{"size": 4096, "clients": c, "put": phase, "get": phase} for c in (1, 2)]
+    level = dict.fromkeys(("put_p50_ms", "put_p99_ms", "get_p50_ms", "get_p99_ms"), 1.0)
+    stored = [
+        level | {"objects": n, "index_bytes_per_object": 400.0, "open_s": n / 1e4}
+        for n in (10, 100)
+    ]
+    report = {"objects": {"points": stored, "object_size": 4096}, "clients": {"points": served}}
+    png = tmp_path / "scale.png"
+    draw_scale(report, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

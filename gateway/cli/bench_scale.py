@@ -72,6 +72,12 @@ def bench_scale(
         except ModuleNotFoundError:
             err.print("--plot needs matplotlib: pip install 'kvgate[bench]'")
             raise typer.Exit(2) from None
+    if curve in ("all", "clients"):
+        try:
+            import aiohttp  # noqa: F401 - the clients' process needs it: say so before measuring
+        except ModuleNotFoundError:
+            err.print("--curve clients needs aiohttp: pip install 'kvgate[bench]'")
+            raise typer.Exit(2) from None
     levels = _ints(objects, "--objects")
     size = int(parse_size(object_size))
     report: dict[str, Any] = {"loadavg_start": loadavg()}

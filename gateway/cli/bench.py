@@ -33,9 +33,9 @@ def _json_object(text: str, what: str) -> dict[str, Any]:
     return value
 
 
-# `kvgate bench [options]` runs the Store bench; `kvgate bench codecs [options]` the codec one,
-# `kvgate bench lookup [options]` the prefix lookup one.
-bench_app = typer.Typer(subcommand_metavar="[codecs|lookup [OPTIONS]]")
+# `kvgate bench [options]` runs the Store bench; `kvgate bench codecs|lookup|scale [options]`
+# the codec, prefix lookup and growth ones.
+bench_app = typer.Typer(subcommand_metavar="[codecs | lookup | scale [OPTIONS]]")
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -407,5 +407,8 @@ def _wide_console() -> Console:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``bench`` (and ``bench codecs``) to the ``kvgate`` command."""
+    """Add ``bench`` (and ``bench codecs``, ``bench scale``) to the ``kvgate`` command."""
+    from gateway.cli.bench_scale import register_scale
+
+    register_scale(bench_app)
     app.add_typer(bench_app, name="bench")

@@ -123,7 +123,7 @@ def test_cli_serves_with_the_token_from_the_environment(tmp_path: Path) -> None:
         )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 90  # start-up: torch import, pool prefault (see e2e READY_S)
         while True:
             try:
                 if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
@@ -195,7 +195,7 @@ def test_cli_logs_no_token_and_times_out_stalled_bodies(tmp_path: Path) -> None:
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 90  # start-up: torch import, pool prefault (see e2e READY_S)
     while True:
         try:
             if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:

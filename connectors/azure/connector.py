@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, ClassVar, Self
 
 from azure.core.exceptions import HttpResponseError
@@ -16,33 +16,25 @@ from connectors.azure.client import AzureClient, new_service
 from connectors.azure.config import credential, parse
 from connectors.azure.errors import azure_errors, is_missing
 from connectors.azure.transfer import download, upload
+from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
 from gateway.client_baseline import timed_put_get
-from gateway.connector import Allocator, BaseConnector, as_parts
-from gateway.errors import GatewayError, InvalidKey
-from gateway.inflight import InFlight
-from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
+from gateway.connector import Allocator
+from gateway.types import ObjectInfo
 
 KEY_META = "kvgate_key"
 """Where a hashed name's key is kept: Azure's metadata names must be C# identifiers."""
 
 
-def _no_buffer(size: int) -> memoryview | None:
-    return None  # the read then fills a buffer of its own
-
-
-class AzureConnector(BaseConnector):
+class AzureConnector(ObjectStoreConnector):
     scheme: ClassVar[str] = "azure"
-    capabilities = Capabilities(
-        list=True, zero_copy=True, persistent=True, max_key_length=names.MAX_KEY_BYTES
-    )
+    capabilities = OBJECT_STORE_CAPABILITIES
+    key_meta = KEY_META
 
     def __init__(self, url: str, **options: Any) -> None:
         self.location, self.options = parse(url, options)
         self.batch_concurrency = self.options.batch_concurrency
-        self._names = names.Naming(self.location.prefix)
+        self._track_objects(self.location.prefix)
         self._client = AzureClient(self.location, self.options, repr(self))
-        self._in_flight = InFlight()
-        self._closed = False
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -53,42 +45,23 @@ class AzureConnector(BaseConnector):
         endpoint = f" at {self.options.endpoint}" if self.options.endpoint else ""
         return f"AzureConnector(azure://{loc.account}/{loc.container}/{loc.prefix}{endpoint})"
 
-    @contextlib.contextmanager
-    def _op(self) -> Iterator[None]:
-        if self._closed:
-            raise GatewayError(f"{self!r} is closed")
-        with self._in_flight.track():
-            yield
-
     def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
         where = f"{self!r} {what}"
         return azure_errors(where, self.location.container, self._client.secret)
 
-    def _name(self, key: str) -> str | None:
-        """The blob name of ``key``; None if the key is too long to be stored."""
-        if not key:
-            raise InvalidKey("a key must not be empty")
-        if len(key.encode()) > names.MAX_KEY_BYTES:
-            return None
-        return self._names.object_name(key)
+    # -- the object-store hooks --------------------------------------------------------------
 
-    # -- reads -------------------------------------------------------------------------------
+    async def _download(self, name: str, alloc: Allocator) -> memoryview | None:
+        return await download(self._client, name, alloc)
 
-    async def get(self, key: str) -> Buffer | None:
-        got = await self.get_into(key, _no_buffer)
-        return got.obj if got is not None and isinstance(got.obj, bytearray) else got
+    async def _stat(self, name: str) -> Any:
+        return await self._properties(name)
 
-    async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
-        with self._op():
-            name = self._name(key)
-            if name is None:
-                return None
-            return await download(self._client, name, alloc)
+    async def _upload(self, name: str, parts: list[memoryview], meta: dict[str, str]) -> None:
+        await upload(self._client, name, parts, meta)
 
-    async def exists(self, key: str) -> bool:
-        with self._op():
-            name = self._name(key)
-            return name is not None and await self._properties(name) is not None
+    async def _close_client(self) -> None:
+        await self._client.close()
 
     async def _properties(self, name: str) -> Any:
         with self._errors(f"HEAD {names.shown(name)}"):
@@ -102,16 +75,6 @@ class AzureConnector(BaseConnector):
                 raise
 
     # -- writes ------------------------------------------------------------------------------
-
-    async def put(self, key: str, data: BufferParts) -> None:
-        with self._op():
-            name = self._name(key)
-            if name is None:
-                raise InvalidKey(
-                    f"{self!r}: keys are limited to {names.MAX_KEY_BYTES} bytes of UTF-8"
-                )
-            meta = names.key_metadata(key, KEY_META) if self._names.is_hashed(name) else {}
-            await upload(self._client, name, as_parts(data), meta)
 
     async def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed (Delete Blob answers 404 when it did not)."""
@@ -129,14 +92,6 @@ class AzureConnector(BaseConnector):
                         return False
                     raise
             return True
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    async def close(self) -> None:
-        """Wait for operations in flight, then close the client. Idempotent."""
-        self._closed = True
-        await self._in_flight.wait_idle()
-        await self._client.close()
 
     # -- listing (last: ``list`` would shadow the builtin in annotations below it) -----------
 

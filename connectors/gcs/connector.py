@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, ClassVar, Self
 
 import aiohttp
@@ -18,31 +18,22 @@ from connectors.gcs.config import api_root, parse
 from connectors.gcs.download import download
 from connectors.gcs.errors import gcs_errors, is_missing
 from connectors.gcs.upload import upload
+from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
 from gateway.client_baseline import timed_put_get
-from gateway.connector import Allocator, BaseConnector, as_parts
-from gateway.errors import GatewayError, InvalidKey
-from gateway.inflight import InFlight
-from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
+from gateway.connector import Allocator
+from gateway.types import ObjectInfo
 
 
-def _no_buffer(size: int) -> memoryview | None:
-    return None  # the read then fills a buffer of its own
-
-
-class GcsConnector(BaseConnector):
+class GcsConnector(ObjectStoreConnector):
     scheme: ClassVar[str] = "gs"
-    capabilities = Capabilities(
-        list=True, zero_copy=True, persistent=True, max_key_length=names.MAX_KEY_BYTES
-    )
+    capabilities = OBJECT_STORE_CAPABILITIES
 
     def __init__(self, url: str, **options: Any) -> None:
         self.location, self.options = parse(url, options)
         self.bucket = self.location.bucket
         self.batch_concurrency = self.options.batch_concurrency
-        self._names = names.Naming(self.location.prefix)
+        self._track_objects(self.location.prefix)
         self._client = GcsClient(self.location, self.options, repr(self))
-        self._in_flight = InFlight()
-        self._closed = False
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -52,37 +43,19 @@ class GcsConnector(BaseConnector):
         endpoint = f" at {self.options.endpoint}" if self.options.endpoint else ""
         return f"GcsConnector(gs://{self.bucket}/{self.location.prefix}{endpoint})"
 
-    @contextlib.contextmanager
-    def _op(self) -> Iterator[None]:
-        if self._closed:
-            raise GatewayError(f"{self!r} is closed")
-        with self._in_flight.track():
-            yield
+    # -- the object-store hooks --------------------------------------------------------------
 
-    def _name(self, key: str) -> str | None:
-        if not key:
-            raise InvalidKey("a key must not be empty")
-        if len(key.encode()) > names.MAX_KEY_BYTES:
-            return None
-        return self._names.object_name(key)
+    async def _download(self, name: str, alloc: Allocator) -> memoryview | None:
+        return await download(self._client, name, alloc)
 
-    # -- reads -------------------------------------------------------------------------------
+    async def _stat(self, name: str) -> dict[str, Any] | None:
+        return await self._metadata(name)
 
-    async def get(self, key: str) -> Buffer | None:
-        got = await self.get_into(key, _no_buffer)
-        return got.obj if got is not None and isinstance(got.obj, bytearray) else got
+    async def _upload(self, name: str, parts: list[memoryview], meta: dict[str, str]) -> None:
+        await upload(self._client, name, parts, meta)
 
-    async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
-        with self._op():
-            name = self._name(key)
-            if name is None:
-                return None
-            return await download(self._client, name, alloc)
-
-    async def exists(self, key: str) -> bool:
-        with self._op():
-            name = self._name(key)
-            return name is not None and await self._metadata(name) is not None
+    async def _close_client(self) -> None:
+        await self._client.close()
 
     async def _metadata(self, name: str) -> dict[str, Any] | None:
         with gcs_errors(f"{self!r} HEAD {names.shown(name)}", self.bucket):
@@ -104,16 +77,6 @@ class GcsConnector(BaseConnector):
             return found
 
     # -- writes ------------------------------------------------------------------------------
-
-    async def put(self, key: str, data: BufferParts) -> None:
-        with self._op():
-            name = self._name(key)
-            if name is None:
-                raise InvalidKey(
-                    f"{self!r}: keys are limited to {names.MAX_KEY_BYTES} bytes of UTF-8"
-                )
-            meta = names.key_metadata(key) if self._names.is_hashed(name) else {}
-            await upload(self._client, name, as_parts(data), meta)
 
     async def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed (GCS answers 404 when it did not)."""
@@ -138,14 +101,6 @@ class GcsConnector(BaseConnector):
                         return False
                     raise
             return True
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    async def close(self) -> None:
-        """Wait for operations in flight and clean-ups, then close the client. Idempotent."""
-        self._closed = True
-        await self._in_flight.wait_idle()
-        await self._client.close()
 
     # -- listing (last: ``list`` would shadow the builtin in annotations below it) -----------
 

@@ -9,12 +9,13 @@ import math
 import os
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, ClassVar, Self
 
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
 from connectors import object_names as names
+from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
 from connectors.s3 import sweep
 from connectors.s3.client import S3Client, new_session, open_client
 from connectors.s3.config import DEFAULT_STALE_UPLOAD_AGE, Location, S3Options, parse
@@ -22,28 +23,21 @@ from connectors.s3.download import download
 from connectors.s3.errors import is_missing, s3_errors
 from connectors.s3.upload import upload
 from gateway.client_baseline import timed_put_get
-from gateway.connector import Allocator, BaseConnector, as_parts
-from gateway.errors import ConfigError, GatewayError, InvalidKey
-from gateway.inflight import InFlight
-from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
+from gateway.connector import Allocator
+from gateway.errors import ConfigError
+from gateway.types import ObjectInfo
 
 
-def _no_buffer(size: int) -> memoryview | None:
-    return None  # the read then fills a buffer of its own
-
-
-class S3Connector(BaseConnector):
+class S3Connector(ObjectStoreConnector):
     scheme: ClassVar[str] = "s3"
-    capabilities = Capabilities(
-        list=True, zero_copy=True, persistent=True, max_key_length=names.MAX_KEY_BYTES
-    )
+    capabilities = OBJECT_STORE_CAPABILITIES
 
     def __init__(self, url: str, **options: Any) -> None:
         location, self.options = parse(url, options)
         self.bucket = location.bucket
         self.prefix = location.prefix
         self.batch_concurrency = self.options.batch_concurrency
-        self._names = names.Naming(location.prefix)
+        self._track_objects(location.prefix)
         max_age, every = self.options.abort_uploads_older_than, self.options.abort_uploads_every
         janitor = None
         if max_age is not None:
@@ -51,8 +45,6 @@ class S3Connector(BaseConnector):
                 sweep.sweep_now_and_then, naming=self._names, max_age=max_age, every=every
             )
         self._client = S3Client(location, self.options, repr(self), janitor)
-        self._in_flight = InFlight()
-        self._closed = False
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -62,39 +54,19 @@ class S3Connector(BaseConnector):
         endpoint = f" at {self.options.endpoint_url}" if self.options.endpoint_url else ""
         return f"S3Connector(s3://{self.bucket}/{self.prefix}{endpoint})"
 
-    @contextlib.contextmanager
-    def _op(self) -> Iterator[None]:
-        if self._closed:
-            raise GatewayError(f"{self!r} is closed")
-        with self._in_flight.track():
-            yield
+    # -- the object-store hooks --------------------------------------------------------------
 
-    def _name(self, key: str) -> str | None:
-        """The object name of ``key``; None if the key is too long to be stored."""
-        if not key:
-            raise InvalidKey("a key must not be empty")
-        if len(key.encode()) > names.MAX_KEY_BYTES:
-            return None
-        return self._names.object_name(key)
+    async def _download(self, name: str, alloc: Allocator) -> memoryview | None:
+        return await download(self._client, name, alloc)
 
-    # -- reads -------------------------------------------------------------------------------
+    async def _stat(self, name: str) -> dict[str, Any] | None:
+        return await self._head(name)
 
-    async def get(self, key: str) -> Buffer | None:
-        got = await self.get_into(key, _no_buffer)
-        return got.obj if got is not None and isinstance(got.obj, bytearray) else got
+    async def _upload(self, name: str, parts: list[memoryview], meta: dict[str, str]) -> None:
+        await upload(self._client, name, parts, meta)
 
-    async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
-        """Read the object straight into ``alloc(size)`` (a new buffer if alloc says no)."""
-        with self._op():
-            name = self._name(key)
-            if name is None:
-                return None
-            return await download(self._client, name, alloc)
-
-    async def exists(self, key: str) -> bool:
-        with self._op():
-            name = self._name(key)
-            return name is not None and await self._head(name) is not None
+    async def _close_client(self) -> None:
+        await self._client.close()
 
     async def _head(self, name: str) -> dict[str, Any] | None:
         where = f"{self!r} HEAD {names.shown(name)}"
@@ -110,16 +82,6 @@ class S3Connector(BaseConnector):
             return head
 
     # -- writes ------------------------------------------------------------------------------
-
-    async def put(self, key: str, data: BufferParts) -> None:
-        with self._op():
-            name = self._name(key)
-            if name is None:
-                raise InvalidKey(
-                    f"{self!r}: keys are limited to {names.MAX_KEY_BYTES} bytes of UTF-8"
-                )
-            meta = names.key_metadata(key) if self._names.is_hashed(name) else {}
-            await upload(self._client, name, as_parts(data), meta)
 
     async def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed.
@@ -156,12 +118,6 @@ class S3Connector(BaseConnector):
     async def ping(self) -> bool:
         await self.exists("kvgate-ping")
         return True
-
-    async def close(self) -> None:
-        """Wait for operations in flight, then close the client. Idempotent."""
-        self._closed = True
-        await self._in_flight.wait_idle()
-        await self._client.close()
 
     # -- listing (last: ``list`` would shadow the builtin in annotations below it) -----------
 

@@ -13,6 +13,7 @@ import pytest
 import redis
 from servers.proc import free_port
 from servers.redis import RedisNode
+from servers.redis_script import Script, read_command
 from servers.valkey import start_valkey
 
 from connectors.redis import RedisConnector
@@ -87,44 +88,6 @@ async def make_conn() -> AsyncIterator[Callable[..., RedisConnector]]:
         await conn.close()
 
 
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-async def _read_command(reader: asyncio.StreamReader) -> list[bytes]:
-    count = int((await reader.readline())[1:])
-    args = []
-    for _ in range(count):
-        size = int((await reader.readline())[1:])
-        args.append((await reader.readexactly(size + 2))[:-2])
-    return args
-
-
-@pytest.fixture
-async def scripted() -> AsyncIterator[Callable[[Script], Awaitable[str]]]:
-    """A TCP peer that answers each fast-path connection with a script; its redis:// URL."""
-    servers: list[asyncio.Server] = []
-
-    async def start(script: Script) -> str:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                assert await _read_command(reader) == [b"PING"]
-                writer.write(b"+PONG\r\n")
-                await script(reader, writer)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                writer.close()
-
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        servers.append(server)
-        return f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-    yield start
-    for server in servers:
-        server.close()
-        await server.wait_closed()
-
-
 def _present(key: bytes) -> bool:
     return key.endswith((b"0", b"3", b"7"))
 
@@ -137,7 +100,7 @@ async def test_pipelined_exists_replies_split_anywhere(
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pending = b""
         while True:
-            name, key = await _read_command(reader)
+            name, key = await read_command(reader)
             assert name == b"EXISTS"
             pending += b":1\r\n" if _present(key) else b":0\r\n"
             writer.write(pending[:3])  # 3 bytes at a time: CRLFs split across reads
@@ -160,8 +123,8 @@ async def test_pipelined_exists_error_reply_is_raised_as_its_kind(
 ) -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            await _read_command(reader)
-            await _read_command(reader)
+            await read_command(reader)
+            await read_command(reader)
             writer.write(b":1\r\n-LOADING Redis is loading the dataset in memory\r\n")
 
     conn = make_conn(await scripted(script))
@@ -174,7 +137,7 @@ async def test_pipelined_exists_refuses_what_is_not_a_one_line_reply(
     scripted: Callable[[Script], Awaitable[str]], make_conn: Callable[..., RedisConnector]
 ) -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_command(reader)
+        await read_command(reader)
         writer.write(b"$-1\r\n")  # one line, but a nil bulk: not what EXISTS answers
         await reader.read()
 

@@ -18,6 +18,7 @@ import pytest
 from redis.exceptions import MovedError, ResponseError
 from servers.proc import free_port
 from servers.redis import PASSWORD, RedisClusterGroup, RedisNode
+from servers.redis_script import Script, read_command
 from servers.tls import make_certificates
 
 from connectors.redis import RedisConnector
@@ -450,45 +451,6 @@ def test_small_replies_parse_whole_or_ask_for_more() -> None:
             parse_reply(bytearray(bad), 0)
 
 
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-async def _read_command(reader: asyncio.StreamReader) -> list[bytes]:
-    count = int((await reader.readline())[1:])
-    args = []
-    for _ in range(count):
-        size = int((await reader.readline())[1:])
-        args.append((await reader.readexactly(size + 2))[:-2])
-    return args
-
-
-@pytest.fixture
-async def scripted() -> AsyncIterator[Callable[[Script], Awaitable[str]]]:
-    """A TCP peer that answers each connection with a script; yields its redis:// URL."""
-    servers: list[asyncio.Server] = []
-
-    async def start(script: Script) -> str:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                # A fast-path connection opens with a PING (it finds out about NOAUTH early).
-                assert await _read_command(reader) == [b"PING"]
-                writer.write(b"+PONG\r\n")
-                await script(reader, writer)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                writer.close()
-
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        servers.append(server)
-        return f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-    yield start
-    for server in servers:
-        server.close()
-        await server.wait_closed()
-
-
 async def _fast_get(conn: RedisConnector, key: bytes, dst: memoryview) -> bool | None:
     assert conn.fast is not None
     return await conn.fast.read_into(key, dst)
@@ -506,7 +468,7 @@ async def test_fast_path_parses_replies_split_anywhere(
             b"err": b"-ERR something broke\r\n",
         }
         while True:
-            _, key = await _read_command(reader)
+            _, key = await read_command(reader)
             for i in range(len(replies[key])):  # one byte at a time
                 writer.write(replies[key][i : i + 1])
                 await writer.drain()
@@ -530,7 +492,7 @@ async def test_fast_path_wrong_length_is_a_miss_and_drops_the_connection(
         nonlocal connections
         connections += 1
         while True:
-            await _read_command(reader)
+            await read_command(reader)
             writer.write(b"$5\r\nabcde\r\n")
 
     conn = make_conn(await scripted(script))
@@ -545,7 +507,7 @@ async def test_fast_path_failures_are_mapped_and_stop_writing_into_the_buffer(
     release = asyncio.Event()
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _, key = await _read_command(reader)
+        _, key = await read_command(reader)
         writer.write(b"$10\r\n01234")
         await writer.drain()
         if key == b"drop":

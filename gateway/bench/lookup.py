@@ -299,11 +299,17 @@ async def run_lookup_bench(
     redis_url: str | None = None,
     progress: Callable[[int], None] = lambda n: None,
 ) -> list[LookupPoint]:
-    with servers(stacks, redis_url) as where:
+    # Starting redis-server polls with time.sleep, and stopping it waits for the process:
+    # both in a worker thread, never on this loop.
+    opened = servers(stacks, redis_url)
+    where = await asyncio.to_thread(opened.__enter__)
+    try:
         points: list[LookupPoint] = []
         for stack in stacks:
             points += await measure_stack(stack, where, lengths, rounds, progress)
         return points
+    finally:
+        await asyncio.to_thread(opened.__exit__, None, None, None)
 
 
 def summary(points: Sequence[LookupPoint]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ killed server and a stalled one (error kinds, the socket timeout honoured).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -72,20 +72,6 @@ async def test_default_exists_many_stops_at_the_first_failure() -> None:
 
 
 # -- Redis ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def make_conn() -> AsyncIterator[Callable[..., RedisConnector]]:
-    made: list[RedisConnector] = []
-
-    def make(url: str, **options: object) -> RedisConnector:
-        conn = RedisConnector.from_url(url, **options)
-        made.append(conn)
-        return conn
-
-    yield make
-    for conn in made:
-        await conn.close()
 
 
 def _present(key: bytes) -> bool:

@@ -10,7 +10,7 @@ import asyncio
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,21 +49,6 @@ def _namespace() -> str:
 
 def _keys(node: RedisNode, pattern: str) -> list[bytes]:
     return sorted(node.client().scan_iter(match=pattern, count=1000))
-
-
-@pytest.fixture
-async def make_conn() -> AsyncIterator[Callable[..., RedisConnector]]:
-    """Build connectors that are closed at the end of the test."""
-    made: list[RedisConnector] = []
-
-    def make(url: str, **options: Any) -> RedisConnector:
-        conn = RedisConnector.from_url(url, **options)
-        made.append(conn)
-        return conn
-
-    yield make
-    for conn in made:
-        await conn.close()
 
 
 # -- URLs and options -----------------------------------------------------------------------

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
+
+from connectors.redis import RedisConnector
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -47,3 +50,18 @@ async def scripted() -> AsyncIterator[Callable[[Script], Awaitable[str]]]:
     for server in servers:
         server.close()
         await server.wait_closed()
+
+
+@pytest.fixture
+async def make_conn() -> AsyncIterator[Callable[..., RedisConnector]]:
+    """Build Redis connectors that are closed at the end of the test."""
+    made: list[RedisConnector] = []
+
+    def make(url: str, **options: Any) -> RedisConnector:
+        conn = RedisConnector.from_url(url, **options)
+        made.append(conn)
+        return conn
+
+    yield make
+    for conn in made:
+        await conn.close()

@@ -282,21 +282,24 @@ async def test_a_foreign_value_is_corrupt_and_deletable(
 
 async def test_server_side_ttl(memcached_server: str) -> None:
     ns = f"ttl{uuid.uuid4().hex}:"
+    # memcached's clock ticks in whole seconds, so a 1 s TTL can lapse at once; 4 s leaves a
+    # loaded machine time to read the object back before it goes.
+    ttl = 4
     short = MemcachedConnector.from_url(
-        memcached_server, item_limit="64MiB", inline_max="1MiB", ttl=1, namespace=ns
+        memcached_server, item_limit="64MiB", inline_max="1MiB", ttl=ttl, namespace=ns
     )
     forty_days = MemcachedConnector.from_url(
         memcached_server, item_limit="64MiB", ttl=40 * 86400, namespace=ns
     )
     try:
-        await short.put("small", b"expires")
-        await short.put("large", make_bytes(3 * MiB))
-        large_parts = await part_keys(short, "large")
         # 40 days is sent as an absolute time; sent as seconds it would mean 1970: gone.
         await forty_days.put("kept-small", b"stays")
         await forty_days.put("kept-large", make_bytes(3 * MiB, 5))
+        await short.put("small", b"expires")
         assert await short.get("small") == b"expires"
-        await asyncio.sleep(2.2)  # memcached's clock ticks in whole seconds
+        await short.put("large", make_bytes(3 * MiB))
+        large_parts = await part_keys(short, "large")
+        await asyncio.sleep(ttl + 1.5)
         assert await short.get("small") is None
         assert await short.get("large") is None
         # Parts outlive their object by the engine's pending margin (an hour), never less.

@@ -274,7 +274,7 @@ async def test_timeout_fires_on_a_slow_call() -> None:
     start = time.monotonic()
     with pytest.raises(Timeout, match=r"get .*0\.05 s"):
         await stack.get("k1")
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 3.0  # well under the 5 s (or 10 s) it would take
 
 
 async def test_timeout_lets_fast_calls_through() -> None:
@@ -749,7 +749,7 @@ async def test_stack_timeout_bounds_the_retries_and_the_breaker_counts_one_failu
     start = time.monotonic()
     with pytest.raises(Timeout):
         await stack.get("k1")
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 3.0  # well under the 5 s (or 10 s) it would take
     breaker = find_layer(stack, CircuitBreakerLayer)
     assert breaker is not None
     assert breaker.state == "closed"  # one whole call failed, however many attempts it made

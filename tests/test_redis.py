@@ -373,7 +373,7 @@ async def test_unreachable_servers_are_unavailable_quickly(
             await conn.put("k", make_bytes(5 * MiB))
         with pytest.raises(Unavailable):
             await conn.get("k")
-        assert time.monotonic() - start < 3.0, url
+        assert time.monotonic() - start < 6.0, url
 
 
 async def test_replica_acknowledgement_is_required_when_asked(

@@ -57,7 +57,7 @@ def test_saves_past_the_bound_are_skipped_not_waited_for() -> None:
     try:
         start = time.monotonic()
         results = [bridge.put_later(k, b"x") for k in ("a", "b", "c", "d")]
-        assert time.monotonic() - start < 1.0  # never waits for the store
+        assert time.monotonic() - start < 5.0  # never waits for the store (30 s)
         assert results == [True, True, False, False]
         assert bridge.skipped_saves == 2
         release.set()

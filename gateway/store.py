@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 from urllib.parse import urlsplit
 
+import xxhash
+
 from gateway.config import StoreConfig, TierConfig, load_config
 from gateway.connector import Connector, writing_durably
 from gateway.errors import CapacityError, ConfigError, GatewayError, InvalidObject, Unavailable
@@ -346,6 +348,11 @@ class Store:
         async with self._operation():
             # An explicit ttl applies everywhere; otherwise each tier uses its own default.
             expires_at = _expiry(ttl, None)
+            if durable and self.l1 is None and self.tiers and data.host_ready:
+                # Nothing to stage: the caller's memory outlives a put that returns only once
+                # every tier holds the object, so the tiers are written from it (no copy).
+                await self._put_from_caller(k, data, expires_at)
+                return
             slab = await self._alloc(nbytes)
             if slab is None:
                 await self._put_direct(k, data, expires_at, durable=durable)
@@ -397,6 +404,14 @@ class Store:
             for writer, job in pairs:  # cancelled: these were never queued
                 writer.abandon(job)
 
+    async def _put_from_caller(self, key: str, data: ObjectData, expires_at: float | None) -> None:
+        """A durable put without a memory tier: every tier written from the caller's bytes,
+        hashed once here when more than one tier frames them raw (each would hash them)."""
+        raw_tiers = sum(t.codec.name == "raw" for t in self.tiers)
+        if raw_tiers > 1:
+            data.checksum = await offload(data.meta.nbytes, xxhash.xxh3_64_intdigest, data.host())
+        await self._put_direct(key, data, expires_at, durable=True)
+
     async def _put_direct(
         self, key: str, data: ObjectData, expires_at: float | None, *, durable: bool
     ) -> None:
@@ -436,9 +451,13 @@ class Store:
 
         try:
             with writing_durably(durable):  # a gateway:// tier asks its remote to write through
-                errors = await asyncio.gather(
-                    *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
-                )
+                errors: list[GatewayError | None]
+                if len(self.writers) == 1:  # no task to start and wait for
+                    errors = [await write(self.writers[0], marks[0])]
+                else:
+                    errors = await asyncio.gather(
+                        *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
+                    )
         finally:  # children cancelled before they ran never reached their own release
             for writer, mark in zip(self.writers, marks, strict=True):
                 writer.release(key, mark, False)

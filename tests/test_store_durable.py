@@ -233,3 +233,29 @@ async def test_cancelled_durable_put_leaks_no_slab() -> None:
         assert await store.delete("k")
         gc.collect()
         assert store.pool.used == 0
+
+
+async def test_durable_put_without_a_memory_tier_stages_nothing() -> None:
+    """No memory tier: the caller's buffer outlives a durable put, so the tiers are written
+    from it and the staging pool stays empty; both tiers hold the same verified bytes."""
+    first, second = Gated(), Gated()
+    cfg = {
+        "tiers": [{"url": "memory://one", "timeout": 5.0}, {"url": "memory://two", "timeout": 5.0}],
+        "staging": 8 * MiB,
+    }
+    data = bytes(range(256)) * (12 * KiB)  # 3 MiB
+    async with Store(cfg, connectors={0: first, 1: second}) as store:
+        assert store.pool is not None
+        second.gate.clear()
+        put = asyncio.create_task(store.put("k", data, durable=True))
+        await second.reached.wait()
+        assert store.pool.used == 0  # nothing was copied for the held write
+        assert not put.done()
+        second.gate.set()
+        await put
+        assert await store.get("k") == data
+    for tier in (first, second):  # each alone: the frame's checksum matches its bytes
+        space = MemoryConnector.from_url(f"memory://{tier.backing.name}")  # the same objects
+        async with Store({"tiers": [{"url": "memory://only"}]}, connectors={0: space}) as alone:
+            assert await alone.get("k") == data
+            assert not any(s.errors or s.corrupt for s in alone.stats().values())

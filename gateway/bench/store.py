@@ -61,6 +61,7 @@ class BenchResult:
     baseline: str
     cold: bool = False
     get_zero_copy: bool = False
+    write_policy: str = "back"
     put_gbps: float = 0.0
     get_gbps: float = 0.0
     get_copy_gbps: float = 0.0
@@ -188,12 +189,14 @@ async def run_bench(
     capacity: int | None = None,
     baseline: str = "auto",
     cold: bool = False,
+    write_policy: str = "back",
     progress: Progress | None = None,
     tier_options: Mapping[str, Any] | None = None,
 ) -> BenchResult:
     """Put ``count`` objects of ``size`` bytes through a Store on ``tiers``, then get them.
 
     ``tier_options`` are the connector options of the last tier (the one under test).
+    ``write_policy``: the Store's (``through``: every put returns once every tier holds it).
     """
     root = _file_root(tiers)
     tier_cfgs: list[dict[str, Any]] = []
@@ -249,13 +252,15 @@ async def run_bench(
         baseline,
         cold=cold,
         get_zero_copy=served_by_l1,
+        write_policy=write_policy,
     )
     # get+copy copies into destinations that rotate like memcpy_baseline's, so that neither
     # side writes into one buffer that stays in the CPU cache.
     dest = np.ones((copy_slots(size, count, concurrency), size), dtype=np.uint8)
     hits = 0
 
-    async with Store({"tiers": tier_cfgs, "staging": staging}) as store:
+    store_cfg = {"tiers": tier_cfgs, "staging": staging, "write_policy": write_policy}
+    async with Store(store_cfg) as store:
         # One untimed round trip first: opening connectors (the disk tier scans its
         # directory), starting worker threads and first calls are not what a put costs.
         await _warm_up(store, f"bench/{run_id}/warm-up", objs[0])
@@ -357,6 +362,7 @@ def combine_runs(runs: Sequence[BenchResult]) -> BenchResult:
         first.baseline,
         cold=first.cold,
         get_zero_copy=first.get_zero_copy,
+        write_policy=first.write_policy,
     )
     for rate in ("put", "get", "get_copy", "baseline_put", "baseline_get"):
         every = [g for r in runs for g in getattr(r, f"{rate}_runs")]

@@ -64,6 +64,10 @@ def bench(
         ),
     ] = 3,
     cold: Annotated[bool, typer.Option(help="evict files from the page cache before gets")] = False,
+    write_policy: Annotated[
+        str,
+        typer.Option(help="back (a put returns once staged) or through (once every tier holds it)"),
+    ] = "back",
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
 ) -> None:
     """Benchmarks: put then get COUNT objects through a Store, next to a baseline.
@@ -73,6 +77,8 @@ def bench(
     """
     if ctx.invoked_subcommand is not None:
         return
+    if write_policy not in ("back", "through"):
+        raise typer.BadParameter("back or through", param_hint="--write-policy")
     tiers = tier or ["memory://"]
     nbytes = parse_size(size)
     cap = parse_size(capacity) if capacity else None
@@ -101,6 +107,7 @@ def bench(
                         capacity=cap,
                         baseline=baseline,
                         cold=cold,
+                        write_policy=write_policy,
                         progress=lambda n: bar.advance(task, n),
                         tier_options=options,
                     )
@@ -112,7 +119,7 @@ def bench(
         return
     table = Table(
         title=f"kvgate bench: {count} x {size} via {' -> '.join(result.tiers)}, "
-        f"concurrency {concurrency}"
+        f"concurrency {concurrency}, write-{result.write_policy}"
     )
     for col in ("", "kvgate GB/s", f"baseline ({result.baseline}) GB/s", "ratio", "ops/s"):
         table.add_column(col)

@@ -53,6 +53,20 @@ def test_bench_disk_tier_table(tmp_path: Path) -> None:
     assert "hits 4/4" in result.stdout
 
 
+def test_bench_write_through_without_a_memory_tier(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/disk"
+    args = ["bench", "-t", url, "--size", "1MiB", "-n", "4", "--repeat", "1"]
+    result = runner.invoke(app, [*args, "--write-policy", "through", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["write_policy"] == "through"
+    assert data["get_hits"] == 4
+    assert not data["errors"]
+    result = runner.invoke(app, [*args, "--write-policy", "sideways"])
+    assert result.exit_code == 2
+    assert "back or through" in result.output
+
+
 def test_serve_refuses_non_loopback() -> None:
     result = runner.invoke(app, ["serve", "--host", "0.0.0.0"])
     assert result.exit_code == 2

@@ -510,6 +510,20 @@ class Store:
             return found.to_object(), found.meta
         return await offload(found.meta.nbytes, found.to_object), found.meta
 
+    async def get_stored(self, key: KeyLike) -> ObjectData | None:
+        """The bytes stored under ``key`` with their metadata, for a protocol that sends bytes
+        (lm://, HTTP): a lease on the memory tier's copy, never a copy and never the user's
+        kind of object (building a tensor only to take its bytes again cost ~0.1 ms a get)."""
+        k = normalize_key(key)
+        await self._ready()
+        if self.l1 is not None:
+            entry = self.l1.lookup(k)
+            if entry is not None:
+                lease = entry.slab.lease(entry.offset, entry.meta.nbytes)
+                return ObjectData(entry.meta, lease)
+        found = await self._fetch_shared(k)
+        return None if found is None else ObjectData(found.meta, found.stored_bytes())
+
     async def get_many(self, keys: Sequence[KeyLike]) -> list[object | None]:
         return list(await asyncio.gather(*(self.get(k) for k in keys)))
 

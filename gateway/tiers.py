@@ -132,6 +132,13 @@ class Found:
             and memoryview(self.buffer).readonly
         )
 
+    def stored_bytes(self) -> memoryview:
+        """The object's bytes as stored: a lease on the slab, or the buffer (never a copy)."""
+        if self.slab is None:
+            assert self.buffer is not None
+            return memoryview(self.buffer).cast("B")
+        return self.slab.lease(self.offset, self.meta.nbytes)
+
     def to_object(self) -> object:
         if self.slab is None:
             assert self.buffer is not None

@@ -77,7 +77,7 @@ from gateway.lmcache.wire import (
     strip_shape,
 )
 from gateway.log_limit import RepeatLimiter
-from gateway.objects import HAS_TORCH, ITEMSIZE, ObjectMeta, to_object_data, torch_dtype
+from gateway.objects import HAS_TORCH, ITEMSIZE, ObjectMeta, torch_dtype
 from gateway.store import Store
 from gateway.transport import stream_transport
 
@@ -461,12 +461,11 @@ class _LmProtocol(asyncio.BufferedProtocol):
             await self._get(key)
 
     async def _get(self, key: str) -> None:
-        found = await self._guard(_get_with_format(self.shared.store, key), None) if key else None
-        if found is None:
+        store = self.shared.store
+        data = await self._guard(store.get_stored(key), None) if key else None
+        if data is None:
             self._write(encode_reply(MISS))
             return
-        obj, fmt = found
-        data = to_object_data(obj, fmt)
         reply = _reply_for(data.meta)
         if reply is None:
             log.warning("lm:// GET %s: %d bytes do not fit lm://", key, data.meta.nbytes)
@@ -506,7 +505,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
             if sent < len(reply):
                 await loop.sock_sendall(sock, reply[sent:])
                 sent = len(reply)
-            # obj (and its lease on the cache) lives until the payload is sent.
+            # view (a lease on the cache) lives until the payload is sent.
             if sent - len(reply) < view.nbytes:
                 await loop.sock_sendall(sock, view[sent - len(reply) :])
         except (ConnectionError, BrokenPipeError):  # the client went away: only its loss
@@ -546,12 +545,6 @@ class _LmProtocol(asyncio.BufferedProtocol):
         assert self.transport is not None
         if not self.transport.is_closing():
             self.transport.write(data)
-
-
-async def _get_with_format(store: Store, key: str) -> tuple[object, int] | None:
-    """The object under ``key`` and the memory format it was stored with."""
-    found = await store.get_with_meta(key)
-    return None if found is None else (found[0], int(found[1].fmt))
 
 
 def _untouched(nbytes: int) -> memoryview:

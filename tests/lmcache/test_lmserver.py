@@ -11,6 +11,7 @@ import asyncio
 import socket
 import struct
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,6 +133,29 @@ async def test_objects_put_through_the_store_are_served(server: Server) -> None:
     reply, _ = await client.ask(Request(Command.GET, "m@1@0@2@half"))  # 5 dims: uint8 too
     assert (reply.dtype, reply.shape) == (6, (240, 0, 0, 0))
     await client.close()
+
+
+async def test_objects_only_a_lower_tier_holds_are_served(tmp_path: Path) -> None:
+    """Served from the disk tier's bytes (no memory tier): a tensor larger than a socket
+    buffer, so it goes out by the large-payload path, and bytes."""
+    big = torch.arange(2 * 4 * 64 * 512, dtype=torch.float16).reshape(2, 4, 64, 512)
+    disk = {"url": f"file://{tmp_path}/disk"}
+    cfg = {"tiers": [disk], "prefault": False}
+    async with Store(cfg) as store:
+        await store.put("m@1@0@3@half", big, fmt=Format.KV_2LTD, durable=True)
+        await store.put(KEY, b"from the disk", durable=True)
+        port = free_port()
+        srv = await serve_lm(store, "127.0.0.1", port, max_payload=MAX_PAYLOAD)
+        try:
+            client = await Server(store, port).connect()
+            reply, body = await client.ask(Request(Command.GET, "m@1@0@3@half"))
+            assert reply == Reply(Code.OK, big.numel() * 2, Format.KV_2LTD, 2, (2, 4, 64, 512))
+            assert body == big.view(torch.uint8).numpy().tobytes()
+            reply, body = await client.ask(Request(Command.GET, KEY))
+            assert (reply.dtype, reply.shape, body) == (6, (13, 0, 0, 0), b"from the disk")
+            await client.close()
+        finally:
+            await close_lm(srv)
 
 
 async def test_tombstone_deletes(server: Server) -> None:

@@ -225,13 +225,8 @@ class KvtcCodec:
             mid[0] = host.rotate(mid[0], rope, position + head, 1.0)
         limit = FINITE_MAX[info.dtype]
         np.clip(mid, -limit, limit, out=mid)
-        bits = host.from_float32(mid, info.dtype)
-        decoded = torch.from_numpy(bits.view(_SAME_SIZE_INT[bits.itemsize])).view(dtype)
-        canon[:, :, head : tokens - tail] = decoded
+        host.into_tensor(canon[:, :, head : tokens - tail], mid)
         return tensor_bytes(layout.from_canonical(canon), out)
-
-
-_SAME_SIZE_INT = {2: np.int16, 4: np.int32}
 
 
 def _reconstruct_into(out: np.ndarray[Any, Any], q: np.ndarray[Any, Any], dev: Device) -> None:

@@ -51,25 +51,29 @@ def single_threaded_blas() -> Iterator[None]:
 
 
 def float32(t: torch.Tensor) -> Array:
-    """A float16 / bfloat16 / float32 host tensor (any strides) as a float32 array."""
+    """A float16 / bfloat16 / float32 host tensor (any strides) as a float32 array.
+
+    float16 is widened by torch: numpy's float16 casts have no vector loop (8.5 ms against
+    torch's 3.8 for a 5.9 MB SmolLM2 chunk on one core here)."""
     import torch
 
     if t.dtype == torch.bfloat16:
         bits = t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16
         out: Array = bits.view(np.float32)
         return out
+    if t.dtype == torch.float16:
+        wide: Array = t.to(torch.float32).numpy()
+        return wide
     return t.numpy().astype(np.float32)
 
 
-def from_float32(x: Array, dtype: str) -> Array:
-    """float32 to the stored dtype's bits (bfloat16: rounded to nearest even, as uint16)."""
-    if dtype == "float32":
-        return x
-    if dtype == "float16":
-        return x.astype(np.float16)
-    u = x.view(np.uint32)
-    rounded = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
-    return rounded.astype(np.uint16)
+def into_tensor(dst: torch.Tensor, x: Array) -> None:
+    """Store float32 ``x`` into ``dst`` (float16, bfloat16 or float32), rounding to nearest
+    even: torch's conversion, 3 ms for a 5.9 MB chunk where numpy's ``astype(float16)`` took
+    18 ms (no vector loop) and the bfloat16 rounding in numpy several passes."""
+    import torch
+
+    dst.copy_(torch.from_numpy(x))
 
 
 def rotate(k: Array, rope: Rope, first: int, sign: float) -> Array:

@@ -106,8 +106,8 @@ def batch_router() -> APIRouter:
             if hit is None:
                 parts.append(entry_head(key, MISSING))
                 continue
-            data = hit[1]  # holds the object (and its pool lease) while the frame is sent
-            frame, _ = await frame_parts(state, key, data, x_kvgate_codec, x_kvgate_codec_options)
+            # ``found`` (kept by the response) holds each pool lease while the frames are sent.
+            frame, _ = await frame_parts(state, key, hit, x_kvgate_codec, x_kvgate_codec_options)
             size = sum(memoryview(p).nbytes for p in frame)
             total += size
             if total > state.max_body:  # the answer is bounded like a request body

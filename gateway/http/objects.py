@@ -34,7 +34,7 @@ from gateway.http.body import (
 )
 from gateway.http.state import MAX_LOOKUP_KEYS, ServiceState, state_of
 from gateway.keys import normalize_key
-from gateway.objects import ObjectData, to_object_data
+from gateway.objects import ObjectData
 from gateway.store import Store
 from gateway.tiers import INLINE_CODECS, offload
 from gateway.types import Buffer
@@ -74,14 +74,10 @@ class PartsResponse(Response):
             )
 
 
-async def stored_object(store: Store, key: str) -> tuple[object, ObjectData] | None:
-    """The object under ``key`` and its description as stored (memory format included: a
-    tensor does not carry its LMCache format, the store's metadata does)."""
-    found = await store.get_with_meta(key)
-    if found is None:
-        return None
-    obj, meta = found
-    return obj, to_object_data(obj, meta.fmt)
+async def stored_object(store: Store, key: str) -> ObjectData | None:
+    """The bytes stored under ``key`` with their metadata (memory format included), a lease
+    on the store's copy that lives as long as the returned object (``Store.get_stored``)."""
+    return await store.get_stored(key)
 
 
 def wants_frame(accept: str | None) -> bool:
@@ -220,18 +216,16 @@ def object_router() -> APIRouter:
     ) -> Response:
         """The object: its bytes, or its frame encoded with the codec asked for."""
         state = state_of(request)
-        found = await stored_object(state.store, key)
-        if found is None:
+        data = await stored_object(state.store, key)
+        if data is None:
             raise NotFound(f"no object under key {key!r}")
-        obj, data = found
         headers = meta_headers(data.meta)
         if wants_frame(accept):
             parts, more = await frame_parts(
                 state, key, data, x_kvgate_codec, x_kvgate_codec_options
             )
-            return PartsResponse(parts, media_type=FRAME_TYPE, headers=headers | more, keep=obj)
-        raw = await offload(data.meta.nbytes, data.host, device=not data.on_host)
-        return PartsResponse([raw], media_type=OCTETS, headers=headers, keep=obj)
+            return PartsResponse(parts, media_type=FRAME_TYPE, headers=headers | more, keep=data)
+        return PartsResponse([data.host()], media_type=OCTETS, headers=headers, keep=data)
 
     @router.head("/v1/objects/{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
     async def head_object(key: KeyPath, request: Request) -> Response:
@@ -240,7 +234,7 @@ def object_router() -> APIRouter:
         found = await stored_object(store, key)
         if found is None:
             raise NotFound(f"no object under key {key!r}")
-        meta = found[1].meta
+        meta = found.meta
         headers = meta_headers(meta) | {"content-length": str(meta.nbytes)}
         return Response(status_code=200, headers=headers, media_type=OCTETS)
 

@@ -26,7 +26,6 @@ from gateway.http.objects import (
     PartsResponse,
     frame_parts,
     parse_durable,
-    stored_object,
 )
 from gateway.http.state import MAX_BATCH_KEYS, state_of
 from gateway.types import Buffer
@@ -99,7 +98,7 @@ def batch_router() -> APIRouter:
         """Frames of the keys asked for, in order; misses marked (see the batch format)."""
         state = state_of(request)
         asked = await read_json(request, state.max_json, BatchGetRequest)
-        found = await asyncio.gather(*(stored_object(state.store, k) for k in asked.keys))
+        found = await asyncio.gather(*(state.store.get_stored(k) for k in asked.keys))
         parts: list[Buffer] = []
         total = 0
         for key, hit in zip(asked.keys, found, strict=True):

@@ -35,7 +35,6 @@ from gateway.http.body import (
 from gateway.http.state import MAX_LOOKUP_KEYS, ServiceState, state_of
 from gateway.keys import normalize_key
 from gateway.objects import ObjectData
-from gateway.store import Store
 from gateway.tiers import INLINE_CODECS, offload
 from gateway.types import Buffer
 
@@ -72,12 +71,6 @@ class PartsResponse(Response):
             await send(
                 {"type": "http.response.body", "body": part, "more_body": i < len(parts) - 1}
             )
-
-
-async def stored_object(store: Store, key: str) -> ObjectData | None:
-    """The bytes stored under ``key`` with their metadata (memory format included), a lease
-    on the store's copy that lives as long as the returned object (``Store.get_stored``)."""
-    return await store.get_stored(key)
 
 
 def wants_frame(accept: str | None) -> bool:
@@ -216,7 +209,7 @@ def object_router() -> APIRouter:
     ) -> Response:
         """The object: its bytes, or its frame encoded with the codec asked for."""
         state = state_of(request)
-        data = await stored_object(state.store, key)
+        data = await state.store.get_stored(key)
         if data is None:
             raise NotFound(f"no object under key {key!r}")
         headers = meta_headers(data.meta)
@@ -231,7 +224,7 @@ def object_router() -> APIRouter:
     async def head_object(key: KeyPath, request: Request) -> Response:
         """The headers a plain GET would answer, without the body."""
         store = state_of(request).store
-        found = await stored_object(store, key)
+        found = await store.get_stored(key)
         if found is None:
             raise NotFound(f"no object under key {key!r}")
         meta = found.meta

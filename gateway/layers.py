@@ -49,6 +49,17 @@ async def _next(it: AsyncIterator[ObjectInfo]) -> ObjectInfo | None:
         return None
 
 
+async def _next_batch(it: AsyncIterator[ObjectInfo], size: int) -> list[ObjectInfo]:
+    """Up to ``size`` next items; fewer only at the end (see _next)."""
+    batch: list[ObjectInfo] = []
+    try:
+        while len(batch) < size:
+            batch.append(await anext(it))
+    except StopAsyncIteration:
+        pass
+    return batch
+
+
 async def _aclose(it: AsyncIterator[ObjectInfo]) -> None:
     # Close the inner iterator now rather than at garbage collection, so its connection or
     # file handle is released when a listing stops early or fails.
@@ -59,6 +70,12 @@ async def _aclose(it: AsyncIterator[ObjectInfo]) -> None:
 
 class Layer:
     """A connector that forwards everything to ``inner``; subclasses override what they need."""
+
+    # Items of a listing one hooked call reads (one timeout, permit and latency sample): a
+    # call per item cost ~30 us through the default stack, 30 s to start listing 1M keys.
+    # Backends list by the page (S3 1000 keys, SCAN's batches), so a batch is about one
+    # round trip.
+    list_batch = 256
 
     def __init__(self, inner: Connector) -> None:
         self.inner = inner
@@ -112,9 +129,14 @@ class Layer:
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         it = self.inner.list(prefix)
+        size = self.list_batch
         try:
-            while (item := await self._call("list", lambda: _next(it))) is not None:
-                yield item
+            while True:
+                batch = await self._call("list", lambda: _next_batch(it, size))
+                for item in batch:
+                    yield item
+                if len(batch) < size:
+                    return
         finally:
             await _aclose(it)
 
@@ -132,7 +154,7 @@ class Layer:
 
 
 class TimeoutLayer(Layer):
-    """Bounds every call (each ``list`` step, and ``close``) by ``seconds``."""
+    """Bounds every call (each ``list`` batch, and ``close``) by ``seconds``."""
 
     def __init__(self, inner: Connector, seconds: float) -> None:
         if not seconds > 0:

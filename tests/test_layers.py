@@ -282,9 +282,11 @@ async def test_timeout_lets_fast_calls_through() -> None:
     assert await stack.get("k1") == b"one"
 
 
-async def test_timeout_bounds_each_list_step_not_the_whole_listing() -> None:
-    # 4 steps (3 items and the end) of 0.03 s each: each step is within 0.1 s, the whole is not.
-    slow = TimeoutLayer(ChaosLayer(await make_backend(), latency=0.03), 0.1)
+async def test_timeout_bounds_each_list_batch_not_the_whole_listing() -> None:
+    # 4 steps (3 items and the end) of 0.06 s each, read 2 a batch: each batch is within 0.2 s,
+    # the whole is not.
+    slow = TimeoutLayer(ChaosLayer(await make_backend(), latency=0.06), 0.2)
+    slow.list_batch = 2
     assert len([info async for info in slow.list()]) == 3
 
     stuck = TimeoutLayer(ChaosLayer(await make_backend(), latency=5.0), 0.05)
@@ -379,6 +381,7 @@ async def test_retry_restarts_a_list_that_fails_before_its_first_item() -> None:
 
 async def test_retry_does_not_retry_a_list_mid_iteration() -> None:
     flaky = Flaky(await make_backend(), [None, Unavailable("mid")])
+    flaky.list_batch = 1  # its second item is its second call, which fails
     listing = RetryLayer(flaky, 3, 0.001, 0.002).list()
     assert (await anext(listing)).key == "k1"
     with pytest.raises(Unavailable, match="mid"):

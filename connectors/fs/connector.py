@@ -208,7 +208,7 @@ class FileConnector(BaseConnector):
         # for a buffer at that phase, so the disk fills it in place (a hint only: a read that
         # finds another phase goes through its bounce buffer)
         self._phases: dict[str, int] = {}
-        self._opening = asyncio.Lock()
+        self._scanning: asyncio.Future[dict[str, int]] | None = None  # the index's scan (see _ready)
         self._keys = KeyLocks()
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes promised to puts in flight (see _make_room)
@@ -270,20 +270,29 @@ class FileConnector(BaseConnector):
     async def _ready(self) -> dict[str, int]:
         if self._index is not None:
             return self._index
-        async with self._opening:
-            if self._index is None:
-                try:
-                    built, quarantined = await _in_thread(self._scan)
-                except OSError as exc:
-                    raise Unavailable(f"{self!r}: cannot scan {self._objects}: {exc}") from exc
-                self.corrupt_files += quarantined
-                # Built in the worker thread and published here in one step: at a million
-                # objects, sorting the records and filling the index and the policy took
-                # 4 + 3.5 s of CPU, which the event loop spent blocked when it did them.
-                self._phases, self._used, self._policy = built.phases, built.used, built.policy
-                self._index = built.index
-                await self._make_room(0)  # the capacity may be smaller than last time
-            return self._index
+        # One scan, owned by the connector and shielded from the operation that started it:
+        # that operation's timeout (5 s by default) used to cancel it, and the next operation
+        # began again from nothing, so a tier whose scan outlasts a timeout (a million objects
+        # take 40 s to 4 minutes) never opened. Now operations time out while it scans, and
+        # the first one after it finishes finds the index.
+        scan = self._scanning
+        if scan is None or (scan.done() and (scan.cancelled() or scan.exception() is not None)):
+            scan = self._scanning = asyncio.ensure_future(self._build_index())
+        return await asyncio.shield(scan)
+
+    async def _build_index(self) -> dict[str, int]:
+        try:
+            built, quarantined = await _in_thread(self._scan)
+        except OSError as exc:
+            raise Unavailable(f"{self!r}: cannot scan {self._objects}: {exc}") from exc
+        self.corrupt_files += quarantined
+        # Built in the worker thread and published here in one step: at a million objects,
+        # sorting the records and filling the index and the policy took 4 + 3.5 s of CPU,
+        # which the event loop spent blocked when it did them.
+        self._phases, self._used, self._policy = built.phases, built.used, built.policy
+        self._index = built.index
+        await self._make_room(0)  # the capacity may be smaller than last time
+        return built.index
 
     def _scan(self, stop: threading.Event) -> tuple[_Built, int]:
         """Remove stale temp files, read every record header, quarantine what is broken, and
@@ -294,6 +303,8 @@ class FileConnector(BaseConnector):
         self._tree.clear_tmp(self._skip_link)  # the lock says no put of ours is running
         found, quarantined = [], 0
         for leaf, name in self._tree.walk(self._skip_link):
+            if stop.is_set():  # closed while scanning: the index will not be used
+                break
             try:
                 record = self._check_file(leaf, name)
             except Symlink as link:  # became one since the listing
@@ -340,9 +351,15 @@ class FileConnector(BaseConnector):
         return _QUARANTINED
 
     async def close(self) -> None:
-        """Wait for operations in flight, then release the directory lock. Idempotent."""
+        """Wait for operations in flight, stop a scan still running, then release the
+        directory lock. Idempotent."""
         self._closed = True
         await self._in_flight.wait_idle()
+        scan = self._scanning
+        if scan is not None and not scan.done():
+            scan.cancel()  # the scan sees its stop flag between files
+            with contextlib.suppress(asyncio.CancelledError, GatewayError):
+                await scan
         self._unlock()  # runs once; later calls do nothing
 
     # -- reads ----------------------------------------------------------------------------

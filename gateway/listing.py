@@ -1,18 +1,27 @@
-"""Listing the keys of a Store: one sorted, paginated view over its memory tier and every lower
-tier that can list.
+"""Listing the keys of a Store: sorted pages over its memory tier and every lower tier that can
+list, each key once.
 
-Sources are not sorted and may be large, so a page is the ``limit`` smallest keys after the
-cursor, kept in a bounded heap while every source is scanned once: memory stays O(limit)
-whatever the store holds. A key held by several tiers is listed once, with the size the
-fastest tier reports (the object's bytes in memory, the stored frame below). A tier that fails
-while listing is skipped and logged, like a tier that fails a get: a listing is a best-effort
-view, never a failed request.
+Sources are not sorted (a dict, Redis' SCAN) and may hold millions of keys, so a listing reads
+them all once, at its first page, into a sorted snapshot; each later page is a bisection into
+it. Scanning every source for every page instead made reading all of a 1M-key tier page by
+page quadratic (1000 pages, each a full scan). The price is freshness: a listing shows the keys
+as they were at its first page (a key deleted since is still listed, one put since is not),
+like a paginated S3 listing. A page that finds no snapshot (the first, one past ``SNAPSHOT_TTL``,
+or one evicted by ``MAX_SNAPSHOTS`` other prefixes) reads the sources again.
+
+A key held by several tiers is listed with the size the fastest tier reports (the object's
+bytes in memory, the stored frame below). A tier that fails while listing is skipped and
+logged, like a tier that fails a get: a listing is a best-effort view, never a failed request.
 """
 
 from __future__ import annotations
 
-import heapq
+import asyncio
+import bisect
 import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from gateway.errors import GatewayError
 from gateway.store import Store
@@ -21,68 +30,92 @@ from gateway.types import ObjectInfo
 log = logging.getLogger("kvgate.listing")
 
 MAX_PAGE = 1000
+SNAPSHOT_TTL = 60.0  # seconds a listing's later pages may read its first page's snapshot
+MAX_SNAPSHOTS = 8  # prefixes listed at once; each snapshot holds a reference per key
 
 
-class _Page:
-    """The ``limit`` smallest keys seen so far (a max-heap by key), each with its first size."""
-
-    def __init__(self, limit: int, after: str | None) -> None:
-        self.limit = limit
-        self.after = after
-        self.heap: list[tuple[_Desc, int]] = []
-        self.sizes: dict[str, int] = {}
-
-    def offer(self, key: str, size: int) -> None:
-        if (self.after is not None and key <= self.after) or key in self.sizes:
-            return
-        if len(self.heap) < self.limit:
-            heapq.heappush(self.heap, (_Desc(key), size))
-            self.sizes[key] = size
-        elif key < self.heap[0][0].key:
-            dropped, _ = heapq.heapreplace(self.heap, (_Desc(key), size))
-            del self.sizes[dropped.key]
-            self.sizes[key] = size
-
-    def items(self) -> list[ObjectInfo]:
-        return [ObjectInfo(k, self.sizes[k]) for k in sorted(self.sizes)]
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    keys: list[str]  # sorted
+    sizes: list[int]  # sizes[i] belongs to keys[i]
+    taken: float  # time.monotonic()
 
 
-class _Desc:
-    """A key ordered backwards, so that heapq's min-heap keeps the largest key on top."""
+class KeyListings:
+    """Sorted, paginated listings of one Store's keys; the pages of a listing share a snapshot."""
 
-    __slots__ = ("key",)
+    def __init__(
+        self, store: Store, *, ttl: float = SNAPSHOT_TTL, max_snapshots: int = MAX_SNAPSHOTS
+    ) -> None:
+        self._store = store
+        self._ttl = ttl
+        self._max = max_snapshots
+        self._snapshots: OrderedDict[str, _Snapshot] = OrderedDict()
 
-    def __init__(self, key: str) -> None:
-        self.key = key
+    async def page(
+        self, prefix: str = "", *, limit: int = MAX_PAGE, after: str | None = None
+    ) -> tuple[list[ObjectInfo], str | None]:
+        """Up to ``limit`` keys starting with ``prefix``, sorted, after the cursor ``after``.
 
-    def __lt__(self, other: _Desc) -> bool:
-        return self.key > other.key
+        Returns the page and the cursor of the next one (None when this page is the last). A
+        page without a cursor starts a new listing, so it reads the sources again.
+        """
+        if not 1 <= limit <= MAX_PAGE:
+            raise ValueError(f"limit must be in 1..{MAX_PAGE}")
+        snap = None if after is None else self._fresh(prefix)
+        if snap is None:
+            snap = await self._take(prefix)
+        start = 0 if after is None else bisect.bisect_right(snap.keys, after)
+        end = min(start + limit, len(snap.keys))
+        items = [ObjectInfo(snap.keys[i], snap.sizes[i]) for i in range(start, end)]
+        return items, (items[-1].key if end < len(snap.keys) else None)
+
+    def _fresh(self, prefix: str) -> _Snapshot | None:
+        snap = self._snapshots.get(prefix)
+        if snap is None or time.monotonic() - snap.taken > self._ttl:
+            return None
+        self._snapshots.move_to_end(prefix)
+        return snap
+
+    async def _take(self, prefix: str) -> _Snapshot:
+        taken = time.monotonic()
+        sources = await _read_sources(self._store, prefix)
+        # Merging and sorting a million keys takes about a second: off the event loop.
+        keys, sizes = await asyncio.to_thread(_merge_sorted, sources)
+        snap = _Snapshot(keys, sizes, taken)
+        self._snapshots[prefix] = snap
+        self._snapshots.move_to_end(prefix)
+        while len(self._snapshots) > self._max:
+            self._snapshots.popitem(last=False)
+        return snap
 
 
-async def list_keys(
-    store: Store, prefix: str = "", *, limit: int = MAX_PAGE, after: str | None = None
-) -> tuple[list[ObjectInfo], str | None]:
-    """One page of keys starting with ``prefix``, sorted, after the cursor ``after``.
-
-    Returns the page and the cursor of the next one (None when this page is the last).
-    """
-    if not 1 <= limit <= MAX_PAGE:
-        raise ValueError(f"limit must be in 1..{MAX_PAGE}")
-    # One more than asked: whether a next page exists, without a second scan.
-    page = _Page(limit + 1, after)
+async def _read_sources(store: Store, prefix: str) -> list[list[tuple[str, int]]]:
+    """Each source's ``(key, size)`` pairs under ``prefix``, fastest tier first."""
+    sources: list[list[tuple[str, int]]] = []
     if store.l1 is not None:
-        for key, entry in list(store.l1.index.items()):
-            if key.startswith(prefix) and not entry.expired():
-                page.offer(key, entry.meta.nbytes)
+        sources.append(
+            [
+                (key, entry.meta.nbytes)
+                for key, entry in list(store.l1.index.items())
+                if key.startswith(prefix) and not entry.expired()
+            ]
+        )
     for tier in store.tiers:
         if not tier.connector.capabilities.list:
             continue
         try:
-            async for info in tier.connector.list(prefix):
-                page.offer(info.key, info.size)
+            sources.append([(i.key, i.size) async for i in tier.connector.list(prefix)])
         except GatewayError as exc:
             log.warning("tier %s could not list %r; skipped: %s", tier.name, prefix, exc)
-    items = page.items()
-    if len(items) > limit:
-        return items[:limit], items[limit - 1].key
-    return items, None
+    return sources
+
+
+def _merge_sorted(sources: list[list[tuple[str, int]]]) -> tuple[list[str], list[int]]:
+    """The keys of all sources, sorted and each once, with the size its first source gives."""
+    merged: dict[str, int] = {}
+    for pairs in sources:
+        for key, size in pairs:
+            merged.setdefault(key, size)
+    keys = sorted(merged)
+    return keys, [merged[k] for k in keys]

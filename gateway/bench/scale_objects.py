@@ -3,7 +3,8 @@
 For each level (10k, 100k, 1M by default) the tier is filled up to it, then reopened in a
 fresh process (``scale_tier measure``): the start-up time of that reopen (the index is rebuilt
 from the files), the resident bytes the index adds per object, and the p50/p99 of sampled
-durable puts and random gets through a Store. The fill rate of each stretch (objects per second
+durable puts and random gets through a Store, and the time to list every key page by page.
+The fill rate of each stretch (objects per second
 put through the connector, CPU per put) is a second view of whether a put costs more as the
 tier grows. Levels are cumulative: one directory, filled in stretches.
 """
@@ -34,6 +35,10 @@ class ObjectsPoint:
     get_p99_ms: float
     get_hits: int
     samples: int
+    listed: int  # keys the listing returned: all of ``objects``
+    list_first_page_ms: float  # reads the whole tier into the listing's snapshot
+    list_page_p50_ms: float  # each later page
+    list_all_s: float  # every key, 1000 a page
     fill_ops_per_s: float  # of the stretch that reached this level
     fill_cpu_us_per_op: float
     loadavg: list[float]
@@ -81,6 +86,10 @@ def run_objects_curve(
             get_p99_ms=m["get_p99_ms"],
             get_hits=m["get_hits"],
             samples=samples,
+            listed=m["listed"],
+            list_first_page_ms=m["list_first_page_ms"],
+            list_page_p50_ms=m["list_page_p50_ms"],
+            list_all_s=m["list_all_s"],
             fill_ops_per_s=fill["fill_ops_per_s"],
             fill_cpu_us_per_op=fill["fill_cpu_us_per_op"],
             loadavg=load,
@@ -94,7 +103,17 @@ def run_objects_curve(
 def objects_slopes(points: Sequence[ObjectsPoint]) -> dict[str, float | None]:
     """Each measure's growth exponent against the object count (see ``loglog_slope``)."""
     xs = [float(p.objects) for p in points]
-    names = ("open_s", "rss_after_open", "put_p50_ms", "put_p99_ms", "get_p50_ms", "get_p99_ms")
+    names = (
+        "open_s",
+        "rss_after_open",
+        "put_p50_ms",
+        "put_p99_ms",
+        "get_p50_ms",
+        "get_p99_ms",
+        "list_first_page_ms",
+        "list_page_p50_ms",
+        "list_all_s",
+    )
     slopes = {name: loglog_slope(xs, [float(getattr(p, name)) for p in points]) for name in names}
     # Index bytes: the RSS the index adds, whose slope says whether bytes per object stay flat.
     index = [p.index_bytes_per_object * p.objects for p in points]

@@ -7,7 +7,8 @@ Each step prints one JSON object. Why child processes: the file tier locks its d
 its connector's lifetime, and the memory an index costs is only readable in a process that
 did nothing else. ``measure`` is a restart as a user's would be: a fresh interpreter opens the
 filled directory (the index is rebuilt from the files' headers), which gives the start-up time
-and the index's resident bytes; then it times sampled puts and gets through a Store.
+and the index's resident bytes; then it times sampled puts and gets through a Store, and
+reading every key page by page (``GET /v1/keys``'s listing, 1000 keys a page).
 
 ``fill`` writes frames through the connector itself, many at once and without fsync: filling
 is not what is measured, and a million puts through the Store with fsync would take the best
@@ -29,6 +30,7 @@ import numpy as np
 from connectors.fs import FileConnector
 from gateway.bench.scale_stats import memory_of, percentile_ms
 from gateway.frame import encode_header, payload_checksum
+from gateway.listing import MAX_PAGE, KeyListings
 from gateway.store import Store
 
 FILL_CONCURRENCY = 64  # puts in flight while filling: enough to keep the tier's threads busy
@@ -124,6 +126,7 @@ async def measure(root: str, count: int, size: int, capacity: int, samples: int)
             hits += got is not None
         for key in probes:  # leave exactly ``count`` objects for the next step
             await store.delete(key)
+        listed, first_page_s, page_s = await _list_all(store)
     return {
         "objects": count,
         "open_s": open_s,
@@ -137,7 +140,27 @@ async def measure(root: str, count: int, size: int, capacity: int, samples: int)
         "get_p99_ms": percentile_ms(get_lat, 0.99),
         "samples": samples,
         "get_hits": hits,
+        "listed": listed,
+        "list_first_page_ms": first_page_s * 1e3,
+        "list_page_p50_ms": percentile_ms(page_s, 0.5),
+        "list_all_s": first_page_s + sum(page_s),
     }
+
+
+async def _list_all(store: Store) -> tuple[int, float, list[float]]:
+    """Read every key page by page: the keys seen, the first page's time (it reads the tier),
+    and each later page's."""
+    listings = KeyListings(store)
+    t0 = time.perf_counter()
+    page, after = await listings.page(limit=MAX_PAGE)
+    first = time.perf_counter() - t0
+    listed, later = len(page), []
+    while after is not None:
+        t0 = time.perf_counter()
+        page, after = await listings.page(limit=MAX_PAGE, after=after)
+        later.append(time.perf_counter() - t0)
+        listed += len(page)
+    return listed, first, later
 
 
 def main(argv: list[str]) -> None:

@@ -143,7 +143,8 @@ def _print_tables(report: dict[str, Any]) -> None:
         part = report["objects"]
         table = Table(title=f"disk tier, {part['object_size']:,} B objects (file://)")
         columns = ["objects", "reopen s", "index B/obj", "RSS MiB", "peak MiB"]
-        columns += ["put p50 ms", "put p99 ms", "get p50 ms", "get p99 ms", "fill/s"]
+        columns += ["put p50 ms", "put p99 ms", "get p50 ms", "get p99 ms"]
+        columns += ["list 1st page ms", "list page ms", "list all s", "fill/s"]
         for col in columns:
             table.add_column(col, justify="right")
         for p in part["points"]:
@@ -157,6 +158,9 @@ def _print_tables(report: dict[str, Any]) -> None:
                 f"{p['put_p99_ms']:.3f}",
                 f"{p['get_p50_ms']:.3f}",
                 f"{p['get_p99_ms']:.3f}",
+                f"{p['list_first_page_ms']:.1f}",
+                f"{p['list_page_p50_ms']:.3f}",
+                f"{p['list_all_s']:.2f}",
                 f"{p['fill_ops_per_s']:,.0f}",
             )
         out.print(table)

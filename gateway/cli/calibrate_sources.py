@@ -100,15 +100,16 @@ async def from_store(config: str, prefix: str, limit: int) -> list[Chunk]:
     """Up to ``limit`` KV_2LTD-shaped tensors stored under ``prefix`` (positions unknown)."""
     import torch
 
-    from gateway.listing import list_keys
+    from gateway.listing import KeyListings
     from gateway.store import Store
     from serde.kvtc.fit import Chunk
 
     out: list[Chunk] = []
     async with Store(config) as store:
+        listings = KeyListings(store)
         after: str | None = None
         while len(out) < limit:
-            page, after = await list_keys(store, prefix, after=after)
+            page, after = await listings.page(prefix, after=after)
             for info in page:
                 obj = await store.get(info.key)
                 if isinstance(obj, torch.Tensor) and obj.dim() == 4 and obj.shape[0] == 2:

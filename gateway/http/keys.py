@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
 from gateway.http.state import state_of
-from gateway.listing import MAX_PAGE, list_keys
+from gateway.listing import MAX_PAGE
 
 
 class KeyInfo(BaseModel):
@@ -32,8 +32,10 @@ def keys_router() -> APIRouter:
         after: Annotated[str | None, Query(max_length=4096)] = None,
     ) -> KeyPage:
         """Keys starting with ``prefix``, sorted, after the cursor ``after``: the memory tier
-        and every lower tier that can list, each key once."""
-        items, cursor = await list_keys(state_of(request).store, prefix, limit=limit, after=after)
+        and every lower tier that can list, each key once. A listing's later pages come from
+        a snapshot its first page (no ``after``) took, for up to 60 s."""
+        listings = state_of(request).listings
+        items, cursor = await listings.page(prefix, limit=limit, after=after)
         return KeyPage(keys=[KeyInfo(key=i.key, size=i.size) for i in items], next=cursor)
 
     return router

@@ -1,4 +1,5 @@
-"""What every HTTP route shares: the Store, the limits, the body pool and the codec cache.
+"""What every HTTP route shares: the Store, the limits, the body pool, the codec cache and the
+key listings.
 
 One ``ServiceState`` per app, built by ``gateway.http.app.create_app`` and reached from a
 request as ``state_of(request)``; the routes hold no globals.
@@ -13,6 +14,7 @@ from starlette.requests import Request
 
 from gateway.http.body import Codecs
 from gateway.http.byte_budget import ByteBudget
+from gateway.listing import KeyListings
 from gateway.memory import BufferPool
 from gateway.store import Store
 
@@ -33,6 +35,10 @@ class ServiceState:
     body_budget: ByteBudget | None = None  # bytes all request bodies may hold at once
     codecs: Codecs = field(default_factory=Codecs)
     ready: bool = False
+    listings: KeyListings = field(init=False)  # GET /v1/keys: the pages' snapshots
+
+    def __post_init__(self) -> None:
+        self.listings = KeyListings(self.store)
 
 
 def state_of(request: Request) -> ServiceState:

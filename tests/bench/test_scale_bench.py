@@ -29,6 +29,7 @@ def test_objects_curve_reports_each_level(tmp_path: Path) -> None:
         assert p["rss_after_open"] > 0
         assert p["open_s"] > 0
         assert p["fill_ops_per_s"] > 0
+        assert p["listed"] == p["objects"]  # every key once, page by page
     assert set(report["objects"]["slopes"]) >= {"open_s", "index_bytes", "put_p99_ms"}
     # The probes were deleted again: the directory holds exactly the last level's objects.
     assert sum(1 for f in (disk / "objects").rglob("*.kvo")) == 40

@@ -208,7 +208,8 @@ async def test_odd_keys_write_nothing_outside_the_root(tmp_path: Path) -> None:
         assert await conn.get(key) == key.encode()
     await conn.close()
     assert all(p.is_relative_to(root) for p in files_under(tmp_path))
-    assert sorted(p.name for p in root.iterdir()) == [".lock", "objects", "quarantine", "tmp"]
+    names = sorted(p.name for p in root.iterdir())
+    assert names == [".lock", "index", "objects", "quarantine", "tmp"]  # index: at close
     assert len(record_files(root)) == len(keys)
 
 

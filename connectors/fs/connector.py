@@ -3,6 +3,8 @@
 Layout under the root::
 
     .lock                        flock(LOCK_EX | LOCK_NB) for the connector's lifetime
+    index                        the index, saved at a clean close, read (and removed) at
+                                 the next start instead of scanning: see snapshot.py
     objects/ab/cd/<hash>.kvo     hash = blake2b(key, digest_size=20), hex; see record.py
     tmp/                         puts in progress (removed at start: they never completed)
     quarantine/                  files found broken, kept for a human to look at
@@ -22,9 +24,9 @@ place: readers see the old file or the new one, never a partial one, and a crash
 record or none. ``fsync_dir`` (off by default) also fsyncs the directory after the rename, so
 that a put that returned survives a power loss. A cache may lose its newest puts in a crash
 (after a power loss, an overwritten key may come back with its previous value and a deleted
-key may reappear; never a torn or foreign object: records are checked at start and frames at
-every read), and each
-directory fsync is one more journal commit to wait for. (Measured here with
+key may reappear; never a torn or foreign object: records are checked by a start that scans,
+which every start after a crash is, and records and frames at every read), and each directory
+fsync is one more journal commit to wait for. (Measured here with
 ``benchmarks/disk_effects.py --only fsync_dir --rounds 14``: medians 1.07 GB/s without it and
 0.94 with it, within this disk's noise, which swings 0.6-2.2 from round to round.)
 Puts and deletes of one key are serialized by a per-key lock; reads take no lock.
@@ -70,7 +72,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
@@ -80,6 +82,7 @@ from pydantic import Field
 
 from connectors._options import StrictOptions, parse_options, split_url
 from connectors.fs import record as rec
+from connectors.fs import snapshot
 from connectors.fs.dirs import Name, Symlink, Tree
 from connectors.fs.keylocks import KeyLocks
 from connectors.fs.read import DIRECT_IO_BYTES, SizeChanged, read_object
@@ -208,7 +211,10 @@ class FileConnector(BaseConnector):
         # for a buffer at that phase, so the disk fills it in place (a hint only: a read that
         # finds another phase goes through its bounce buffer)
         self._phases: dict[str, int] = {}
-        self._scanning: asyncio.Future[dict[str, int]] | None = None  # the index's scan (see _ready)
+        self._scanning: asyncio.Future[dict[str, int]] | None = (
+            None  # the index's scan (see _ready)
+        )
+        self._index_saved = False  # by close, for the next start (snapshot.py)
         self._keys = KeyLocks()
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes promised to puts in flight (see _make_room)
@@ -295,12 +301,16 @@ class FileConnector(BaseConnector):
         return built.index
 
     def _scan(self, stop: threading.Event) -> tuple[_Built, int]:
-        """Remove stale temp files, read every record header, quarantine what is broken, and
-        build the index from what is left (in the worker thread: see _ready).
+        """Remove stale temp files, then build the index (in the worker thread: see _ready):
+        from the snapshot the last clean close saved (snapshot.py), else by reading every
+        record header and quarantining what is broken.
 
         Returns the index and the number of files quarantined.
         """
         self._tree.clear_tmp(self._skip_link)  # the lock says no put of ours is running
+        saved = self._saved_index()
+        if saved is not None:
+            return self._build(saved), 0
         found, quarantined = [], 0
         for leaf, name in self._tree.walk(self._skip_link):
             if stop.is_set():  # closed while scanning: the index will not be used
@@ -314,16 +324,42 @@ class FileConnector(BaseConnector):
                 found.append(record)
             quarantined += record is _QUARANTINED
         found.sort(key=lambda r: (r.mtime_ns, r.key))  # oldest first: the policy's order
+        entries = (
+            snapshot.Entry(r.key, r.data_len, r.data_offset % rec.DIO_ALIGN if r.pad else None)
+            for r in found
+        )
+        return self._build(entries), quarantined
+
+    def _build(self, entries: Iterable[snapshot.Entry]) -> _Built:
+        """The index of ``entries``, given first to evict first."""
         policy = None if self._policy is None else make_policy(self._eviction, self.capacity or 0)
         built = _Built(policy)
-        for record in found:
-            built.index[record.key] = record.data_len
-            if record.pad:
-                built.phases[record.key] = record.data_offset % rec.DIO_ALIGN
-            built.used += record.data_len
+        for key, data_len, phase in entries:
+            built.index[key] = data_len
+            if phase is not None:
+                built.phases[key] = phase
+            built.used += data_len
             if policy is not None:
-                policy.insert(record.key, record.data_len)
-        return built, quarantined
+                policy.insert(key, data_len)
+        return built
+
+    def _saved_index(self) -> list[snapshot.Entry] | None:
+        """The entries the last clean close saved, if it did and they are whole; the saved
+        file is removed either way (see snapshot.py)."""
+        try:
+            data = snapshot.take(self._tree.root_fd)
+            return None if data is None else snapshot.decode(data)
+        except (OSError, snapshot.BadSnapshot) as exc:
+            log.warning("%r: index snapshot not used (%s); scanning every record", self, exc)
+            return None
+
+    def _save_index(self) -> None:
+        """Save the index for the next start (at close, when nothing else runs)."""
+        index = self._index
+        assert index is not None
+        order = index if self._policy is None else self._policy.keys_in_eviction_order()
+        entries = (snapshot.Entry(k, index[k], self._phases.get(k)) for k in order)
+        snapshot.save(self._tree.root_fd, snapshot.encode(entries))
 
     def _check_file(self, leaf: int, name: Name) -> rec.Record | _Quarantined | None:
         """The record ``name`` (in the directory open as ``leaf``) if it is whole and named
@@ -351,8 +387,8 @@ class FileConnector(BaseConnector):
         return _QUARANTINED
 
     async def close(self) -> None:
-        """Wait for operations in flight, stop a scan still running, then release the
-        directory lock. Idempotent."""
+        """Wait for operations in flight, stop a scan still running, save the index for the
+        next start, then release the directory lock. Idempotent."""
         self._closed = True
         await self._in_flight.wait_idle()
         scan = self._scanning
@@ -360,6 +396,12 @@ class FileConnector(BaseConnector):
             scan.cancel()  # the scan sees its stop flag between files
             with contextlib.suppress(asyncio.CancelledError, GatewayError):
                 await scan
+        if self._index is not None and not self._index_saved:
+            self._index_saved = True  # once, also when two closes overlap
+            try:
+                await _in_thread(lambda stop: self._save_index())
+            except OSError as exc:  # a full disk: the next start scans instead
+                log.warning("%r: could not save its index snapshot: %s", self, exc)
         self._unlock()  # runs once; later calls do nothing
 
     # -- reads ----------------------------------------------------------------------------

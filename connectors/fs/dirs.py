@@ -72,7 +72,7 @@ def _close_all(fds: list[int]) -> None:
 
 
 class Tree:
-    """Open fds of a root's ``objects/``, ``tmp/`` and ``quarantine/``, and of its ``.lock``
+    """Open fds of a root, its ``objects/``, ``tmp/`` and ``quarantine/``, and of its ``.lock``
     (flock'ed: closing it, in ``close``, releases the root)."""
 
     def __init__(self, root: str) -> None:
@@ -84,6 +84,8 @@ class Tree:
             root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise ConfigError(f"cannot use {root} for file://: {exc}") from exc
+        self._fds.append(root_fd)
+        self.root_fd = root_fd  # for the index snapshot (snapshot.py), the root's only file
         try:
             self._lock(root_fd)
             self.objects = self._fixed_dir(root_fd, "objects")
@@ -92,8 +94,6 @@ class Tree:
         except BaseException:
             self.close()
             raise
-        finally:
-            os.close(root_fd)
 
     def close(self) -> None:
         """Close every fd, which also drops the lock. Idempotent."""

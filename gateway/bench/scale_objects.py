@@ -1,12 +1,13 @@
 """``kvgate bench scale``'s first curve: a disk tier's cost against the objects it holds.
 
 For each level (10k, 100k, 1M by default) the tier is filled up to it, then reopened in a
-fresh process (``scale_tier measure``): the start-up time of that reopen (the index is rebuilt
-from the files), the resident bytes the index adds per object, and the p50/p99 of sampled
-durable puts and random gets through a Store, and the time to list every key page by page.
-The fill rate of each stretch (objects per second
-put through the connector, CPU per put) is a second view of whether a put costs more as the
-tier grows. Levels are cumulative: one directory, filled in stretches.
+fresh process (``scale_tier measure``): the start-up time of that reopen as after a crash (the
+index is rebuilt from the files) and after a clean close (the saved index is read), the
+resident bytes the index adds per object, and the p50/p99 of sampled durable puts and random
+gets through a Store, and the time to list every key page by page. The fill rate of each
+stretch (objects per second put through the connector, CPU per put) is a second view of
+whether a put costs more as the tier grows. Levels are cumulative: one directory, filled in
+stretches.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from gateway.bench.scale_stats import loadavg, loglog_slope
 @dataclass
 class ObjectsPoint:
     objects: int
-    open_s: float
+    open_s: float  # a start that scans every record (as after a crash)
+    snapshot_open_s: float  # a start after a clean close: reads the saved index
+    snapshot_bytes: int
     index_bytes_per_object: float
     rss_after_open: int
     peak_rss: int
@@ -77,6 +80,8 @@ def run_objects_curve(
         point = ObjectsPoint(
             objects=level,
             open_s=m["open_s"],
+            snapshot_open_s=m["snapshot_open_s"],
+            snapshot_bytes=m["snapshot_bytes"],
             index_bytes_per_object=m["index_bytes_per_object"],
             rss_after_open=m["rss_after_open"],
             peak_rss=m["peak_rss"],
@@ -105,6 +110,7 @@ def objects_slopes(points: Sequence[ObjectsPoint]) -> dict[str, float | None]:
     xs = [float(p.objects) for p in points]
     names = (
         "open_s",
+        "snapshot_open_s",
         "rss_after_open",
         "put_p50_ms",
         "put_p99_ms",

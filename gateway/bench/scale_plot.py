@@ -41,7 +41,10 @@ def draw_scale(report: dict[str, Any], path: Path) -> None:
             "o-",
             label="index RSS (MiB)",
         )
-        ax.plot(n, [p["open_s"] for p in pts], "s-", label="reopen (s)")
+        ax.plot(n, [p["open_s"] for p in pts], "s-", label="start, scanning (s)")
+        saved = [p.get("snapshot_open_s") for p in pts]
+        if all(v is not None for v in saved):
+            ax.plot(n, saved, "s--", label="start, saved index (s)")
         ax.set(xscale="log", yscale="log", xlabel="objects in the disk tier")
         ax.set_title("index memory and start-up time")
         ax.legend(fontsize=8)

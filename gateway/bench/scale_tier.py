@@ -6,8 +6,9 @@
 Each step prints one JSON object. Why child processes: the file tier locks its directory for
 its connector's lifetime, and the memory an index costs is only readable in a process that
 did nothing else. ``measure`` is a restart as a user's would be: a fresh interpreter opens the
-filled directory (the index is rebuilt from the files' headers), which gives the start-up time
-and the index's resident bytes; then it times sampled puts and gets through a Store, and
+filled directory, once as after a crash (the index is rebuilt from the files' headers), which
+gives that start-up time and the index's resident bytes, and once after a clean close (the
+index the close saved is read back); then it times sampled puts and gets through a Store, and
 reading every key page by page (``GET /v1/keys``'s listing, 1000 keys a page).
 
 ``fill`` writes frames through the connector itself, many at once and without fsync: filling
@@ -19,15 +20,17 @@ bound to their key), so the Store reads them back like its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from connectors.fs import FileConnector
+from connectors.fs import FileConnector, snapshot
 from gateway.bench.scale_stats import memory_of, percentile_ms
 from gateway.frame import encode_header, payload_checksum
 from gateway.listing import MAX_PAGE, KeyListings
@@ -93,7 +96,14 @@ async def fill(root: str, first: int, end: int, size: int, capacity: int) -> dic
 
 
 async def measure(root: str, count: int, size: int, capacity: int, samples: int) -> dict[str, Any]:
-    """Reopen the tier holding ``count`` objects; time the start and sampled puts and gets."""
+    """Reopen the tier holding ``count`` objects; time the start and sampled puts and gets.
+
+    Two starts: one as after a crash (the saved index removed, so every record is read), the
+    measured one for index memory; and one after the clean close that ends the first, which
+    reads the index the close saved.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, snapshot.NAME))  # the fill's close saved one
     conn = _connector(root, capacity, fsync=True)  # sampled puts are what a user's cost
     gc.collect()
     rss_before, _ = memory_of()
@@ -127,9 +137,20 @@ async def measure(root: str, count: int, size: int, capacity: int, samples: int)
         for key in probes:  # leave exactly ``count`` objects for the next step
             await store.delete(key)
         listed, first_page_s, page_s = await _list_all(store)
+        t0 = time.perf_counter()
+    save_s = time.perf_counter() - t0  # closing the Store, which saves the index
+    again = _connector(root, capacity, fsync=True)
+    snapshot_bytes = os.stat(os.path.join(root, snapshot.NAME)).st_size
+    t0 = time.perf_counter()
+    await again.open()
+    snapshot_open_s = time.perf_counter() - t0
+    await again.close()
     return {
         "objects": count,
         "open_s": open_s,
+        "snapshot_open_s": snapshot_open_s,
+        "close_save_s": save_s,
+        "snapshot_bytes": snapshot_bytes,
         "rss_before_open": rss_before,
         "rss_after_open": rss_after,
         "peak_rss": peak,

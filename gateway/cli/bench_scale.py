@@ -142,7 +142,8 @@ def _print_tables(report: dict[str, Any]) -> None:
     if "objects" in report:
         part = report["objects"]
         table = Table(title=f"disk tier, {part['object_size']:,} B objects (file://)")
-        columns = ["objects", "reopen s", "index B/obj", "RSS MiB", "peak MiB"]
+        columns = ["objects", "scan start s", "saved start s", "index B/obj", "RSS MiB"]
+        columns += ["peak MiB"]
         columns += ["put p50 ms", "put p99 ms", "get p50 ms", "get p99 ms"]
         columns += ["list 1st page ms", "list page ms", "list all s", "fill/s"]
         for col in columns:
@@ -151,6 +152,7 @@ def _print_tables(report: dict[str, Any]) -> None:
             table.add_row(
                 f"{p['objects']:,}",
                 f"{p['open_s']:.2f}",
+                f"{p['snapshot_open_s']:.2f}",
                 f"{p['index_bytes_per_object']:.0f}",
                 f"{p['rss_after_open'] / 2**20:.0f}",
                 f"{p['peak_rss'] / 2**20:.0f}",

@@ -28,6 +28,8 @@ def test_objects_curve_reports_each_level(tmp_path: Path) -> None:
         assert 0 < p["get_p50_ms"] <= p["get_p99_ms"]
         assert p["rss_after_open"] > 0
         assert p["open_s"] > 0
+        assert p["snapshot_open_s"] > 0
+        assert p["snapshot_bytes"] > 0
         assert p["fill_ops_per_s"] > 0
         assert p["listed"] == p["objects"]  # every key once, page by page
     assert set(report["objects"]["slopes"]) >= {"open_s", "index_bytes", "put_p99_ms"}

@@ -10,10 +10,10 @@ only override that hook. ``call`` is a zero-argument factory rather than a corou
 that refuses a call (breaker open, chaos down) never creates a coroutine it would have to close,
 and a retrying layer can make a fresh one per attempt.
 
-``list`` is an async iterator: the base class sends each step (fetching one item) through the
-hook, so timeouts, permits, breaker accounting and metrics apply per step and nothing is held
-while the consumer is between items. ``usage`` is synchronous bookkeeping and is forwarded
-untouched by every layer.
+``list`` is an async iterator: the base class sends each step (fetching up to ``list_batch``
+items) through the hook, so timeouts, permits, breaker accounting and metrics apply per step
+and nothing is held while the consumer is between steps. ``usage`` is synchronous bookkeeping
+and is forwarded untouched by every layer.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ log = logging.getLogger("kvgate.listing")
 MAX_PAGE = 1000
 SNAPSHOT_TTL = 60.0  # seconds a listing's later pages may read its first page's snapshot
 MAX_SNAPSHOTS = 8  # prefixes listed at once; each snapshot holds a reference per key
+_YIELD_EVERY = 4096  # keys read between two turns of the event loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,7 @@ class KeyListings:
         self._ttl = ttl
         self._max = max_snapshots
         self._snapshots: OrderedDict[str, _Snapshot] = OrderedDict()
+        self._taking: dict[str, asyncio.Future[_Snapshot]] = {}  # first pages being read
 
     async def page(
         self, prefix: str = "", *, limit: int = MAX_PAGE, after: str | None = None
@@ -78,11 +80,22 @@ class KeyListings:
         return snap
 
     async def _take(self, prefix: str) -> _Snapshot:
+        """A new snapshot of ``prefix``; first pages that come while one is read share it."""
+        taking = self._taking.get(prefix)
+        if taking is None:
+            taking = self._taking[prefix] = asyncio.ensure_future(self._read(prefix))
+            taking.add_done_callback(lambda _: self._taking.pop(prefix, None))
+        return await asyncio.shield(taking)
+
+    async def _read(self, prefix: str) -> _Snapshot:
         taken = time.monotonic()
         sources = await _read_sources(self._store, prefix)
         # Merging and sorting a million keys takes about a second: off the event loop.
         keys, sizes = await asyncio.to_thread(_merge_sorted, sources)
         snap = _Snapshot(keys, sizes, taken)
+        now = time.monotonic()
+        for old in [p for p, s in self._snapshots.items() if now - s.taken > self._ttl]:
+            del self._snapshots[old]  # lapsed: no page may read it, so it only holds memory
         self._snapshots[prefix] = snap
         self._snapshots.move_to_end(prefix)
         while len(self._snapshots) > self._max:
@@ -104,10 +117,18 @@ async def _read_sources(store: Store, prefix: str) -> list[list[tuple[str, int]]
     for tier in store.tiers:
         if not tier.connector.capabilities.list:
             continue
+        pairs: list[tuple[str, int]] = []
         try:
-            sources.append([(i.key, i.size) async for i in tier.connector.list(prefix)])
+            async for info in tier.connector.list(prefix):
+                pairs.append((info.key, info.size))
+                if len(pairs) % _YIELD_EVERY == 0:
+                    # A tier that lists from memory (the disk tier's index) never waits, so
+                    # the loop would run nothing else for the seconds a million keys take.
+                    await asyncio.sleep(0)
         except GatewayError as exc:
             log.warning("tier %s could not list %r; skipped: %s", tier.name, prefix, exc)
+            continue
+        sources.append(pairs)
     return sources
 
 

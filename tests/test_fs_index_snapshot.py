@@ -5,6 +5,7 @@ damaged snapshot, scans the directory as before."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from connectors.fs.connector import FileConnector
+from gateway.errors import GatewayError
 
 SIZE = 100  # bytes of each object
 
@@ -117,3 +119,49 @@ async def test_an_object_removed_by_hand_after_close_is_a_miss(tmp_path: Path) -
         assert await again.get("kept") is not None
     finally:
         await again.close()
+
+
+async def test_closing_a_connector_never_opened_keeps_the_saved_index(tmp_path: Path) -> None:
+    conn = FileConnector(tmp_path)
+    await _put_all(conn, ["a"])
+    await conn.close()
+    saved = (tmp_path / "index").read_bytes()
+    await FileConnector(tmp_path).close()  # never started: it neither read nor saved one
+    assert (tmp_path / "index").read_bytes() == saved
+
+
+async def test_overlapping_and_cancelled_closes_save_once_and_unlock(tmp_path: Path) -> None:
+    keys = [f"k{i}" for i in range(200)]
+    conn = FileConnector(tmp_path)
+    await _put_all(conn, keys)
+    first = asyncio.ensure_future(conn.close())
+    await asyncio.sleep(0)
+    first.cancel()  # a close that times out: the closing goes on
+    await asyncio.gather(conn.close(), conn.close())
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    again = FileConnector(tmp_path)  # unlocked, and the index saved whole
+    try:
+        assert all(await again.exists_many(keys))
+        assert not (tmp_path / "index").exists()  # it was read: a snapshot, not a scan
+    finally:
+        await again.close()
+
+
+async def test_closing_while_the_index_is_read_saves_it_again(tmp_path: Path) -> None:
+    keys = [f"k{i}" for i in range(2000)]
+    conn = FileConnector(tmp_path)
+    await _put_all(conn, keys)
+    await conn.close()
+    again = FileConnector(tmp_path)
+    started = asyncio.ensure_future(again.open())  # reads (and removes) the saved index
+    await asyncio.sleep(0)
+    await again.close()  # stops the start; the whole index it read is saved again
+    with contextlib.suppress(asyncio.CancelledError, GatewayError):
+        await started
+    assert (tmp_path / "index").is_file()
+    third = FileConnector(tmp_path)
+    try:
+        assert all(await third.exists_many(keys))
+    finally:
+        await third.close()

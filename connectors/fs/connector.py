@@ -121,6 +121,8 @@ class _Built:
     index: dict[str, int] = field(default_factory=dict)  # key -> object bytes
     phases: dict[str, int] = field(default_factory=dict)  # see FileConnector._phases
     used: int = 0
+    whole: bool = True  # False: the scan was stopped halfway (by close)
+    quarantined: int = 0  # files the scan moved to quarantine/
 
 
 class FileOptions(StrictOptions):
@@ -214,7 +216,10 @@ class FileConnector(BaseConnector):
         self._scanning: asyncio.Future[dict[str, int]] | None = (
             None  # the index's scan (see _ready)
         )
-        self._index_saved = False  # by close, for the next start (snapshot.py)
+        self._closing: asyncio.Future[None] | None = None
+        # A file the index forgot but could not remove (an unlink failed): the index no longer
+        # tells the whole truth, so close saves none and the next start scans.
+        self._diverged = False
         self._keys = KeyLocks()
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes promised to puts in flight (see _make_room)
@@ -271,6 +276,8 @@ class FileConnector(BaseConnector):
 
     async def open(self) -> None:
         """Build the index (once); every operation calls this first."""
+        if self._closed:
+            raise GatewayError(f"{self!r} is closed")
         await self._ready()
 
     async def _ready(self) -> dict[str, int]:
@@ -288,33 +295,40 @@ class FileConnector(BaseConnector):
 
     async def _build_index(self) -> dict[str, int]:
         try:
-            built, quarantined = await _in_thread(self._scan)
+            # A whole index built when close cancelled this is still published, so that close
+            # saves it again (the start removed the saved one): see _scan.
+            built = await _in_thread(self._scan, on_abandon=self._publish)
         except OSError as exc:
             raise Unavailable(f"{self!r}: cannot scan {self._objects}: {exc}") from exc
-        self.corrupt_files += quarantined
-        # Built in the worker thread and published here in one step: at a million objects,
-        # sorting the records and filling the index and the policy took 4 + 3.5 s of CPU,
-        # which the event loop spent blocked when it did them.
-        self._phases, self._used, self._policy = built.phases, built.used, built.policy
-        self._index = built.index
+        self._publish(built)
+        index = self._index
+        assert index is not None  # a scan that was not stopped is whole
         await self._make_room(0)  # the capacity may be smaller than last time
-        return built.index
+        return index
 
-    def _scan(self, stop: threading.Event) -> tuple[_Built, int]:
+    def _publish(self, built: _Built) -> None:
+        """Make a whole index the connector's, in one step on the loop (filling it there took
+        4 + 3.5 s of CPU at a million objects, so the worker thread builds it); an index the
+        scan left halfway is dropped."""
+        if built.whole:
+            self.corrupt_files += built.quarantined
+            self._phases, self._used, self._policy = built.phases, built.used, built.policy
+            self._index = built.index
+
+    def _scan(self, stop: threading.Event) -> _Built:
         """Remove stale temp files, then build the index (in the worker thread: see _ready):
         from the snapshot the last clean close saved (snapshot.py), else by reading every
-        record header and quarantining what is broken.
-
-        Returns the index and the number of files quarantined.
+        record header and quarantining what is broken. A scan that ``stop`` ends halfway
+        returns an index that is not ``whole``.
         """
         self._tree.clear_tmp(self._skip_link)  # the lock says no put of ours is running
         saved = self._saved_index()
         if saved is not None:
-            return self._build(saved), 0
+            return self._build(saved)
         found, quarantined = [], 0
         for leaf, name in self._tree.walk(self._skip_link):
-            if stop.is_set():  # closed while scanning: the index will not be used
-                break
+            if stop.is_set():  # closed while scanning: this index will not be used
+                return _Built(None, whole=False)
             try:
                 record = self._check_file(leaf, name)
             except Symlink as link:  # became one since the listing
@@ -328,7 +342,9 @@ class FileConnector(BaseConnector):
             snapshot.Entry(r.key, r.data_len, r.data_offset % rec.DIO_ALIGN if r.pad else None)
             for r in found
         )
-        return self._build(entries), quarantined
+        built = self._build(entries)
+        built.quarantined = quarantined
+        return built
 
     def _build(self, entries: Iterable[snapshot.Entry]) -> _Built:
         """The index of ``entries``, given first to evict first."""
@@ -347,9 +363,9 @@ class FileConnector(BaseConnector):
         """The entries the last clean close saved, if it did and they are whole; the saved
         file is removed either way (see snapshot.py)."""
         try:
-            data = snapshot.take(self._tree.root_fd)
+            data = snapshot.take(self._tree.root_fd)  # an OSError stops the start (see take)
             return None if data is None else snapshot.decode(data)
-        except (OSError, snapshot.BadSnapshot) as exc:
+        except snapshot.BadSnapshot as exc:
             log.warning("%r: index snapshot not used (%s); scanning every record", self, exc)
             return None
 
@@ -388,21 +404,28 @@ class FileConnector(BaseConnector):
 
     async def close(self) -> None:
         """Wait for operations in flight, stop a scan still running, save the index for the
-        next start, then release the directory lock. Idempotent."""
+        next start, then release the directory lock. Idempotent; every call waits for the
+        same closing, which a cancelled call (a timeout) does not stop halfway."""
         self._closed = True
-        await self._in_flight.wait_idle()
-        scan = self._scanning
-        if scan is not None and not scan.done():
-            scan.cancel()  # the scan sees its stop flag between files
-            with contextlib.suppress(asyncio.CancelledError, GatewayError):
-                await scan
-        if self._index is not None and not self._index_saved:
-            self._index_saved = True  # once, also when two closes overlap
-            try:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close_once())
+        await asyncio.shield(self._closing)
+
+    async def _close_once(self) -> None:
+        try:
+            await self._in_flight.wait_idle()
+            scan = self._scanning
+            if scan is not None and not scan.done():
+                scan.cancel()  # the scan sees its stop flag between files
+                await asyncio.wait({scan})
+            if scan is not None and not scan.cancelled():
+                scan.exception()  # retrieved: operations reported it already
+            if self._index is not None and not self._diverged:
                 await _in_thread(lambda stop: self._save_index())
-            except OSError as exc:  # a full disk: the next start scans instead
-                log.warning("%r: could not save its index snapshot: %s", self, exc)
-        self._unlock()  # runs once; later calls do nothing
+        except Exception as exc:  # a full disk, a scan that failed: the next start scans
+            log.warning("%r: index snapshot not saved (the next start scans): %s", self, exc)
+        finally:
+            self._unlock()  # runs once; later calls do nothing
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -722,6 +745,9 @@ class FileConnector(BaseConnector):
             self._tree.remove_object(name)
         except Symlink as link:
             self._skip_link(link)
+        except OSError:
+            self._diverged = True  # see __init__
+            raise
 
     def _release(self, reservation: int) -> None:
         self._reserved -= reservation

@@ -8,7 +8,9 @@ reads it. Trusting it is safe only if nothing changed in between, so:
 
 - the start removes it (and syncs the root) before building the index from it: after a crash
   the next start finds no snapshot and scans, whatever this run changed;
-- it is written to ``index.tmp``, synced and renamed, so a torn write leaves no ``index``;
+- it is written after a sync of the file system (so that no rename or unlink it describes can
+  be lost in a power loss while it survives) to ``index.tmp``, synced and renamed, so a torn
+  write leaves no ``index``;
 - its last 8 bytes are the xxh3-64 of the rest: a damaged or truncated one is refused (logged)
   and the directory scanned.
 
@@ -28,7 +30,9 @@ All of this blocks; the connector runs it in a worker thread.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -97,32 +101,47 @@ def decode(data: bytes) -> list[Entry]:
 
 
 def take(root_fd: int) -> bytes | None:
-    """The saved snapshot's bytes, removed from the root first (see the module's notes); None
-    if there is none, or if it cannot be removed (it could not be trusted after a crash)."""
+    """The saved snapshot's bytes, removed from the root before they are read (see the
+    module's notes); None if there is none, or a link or non-file in its place (removed too).
+
+    Raises BadSnapshot if it cannot be read (it is gone by then: the directory is scanned),
+    and OSError if it cannot be removed: a later start would trust it after this run changed
+    the directory, so this one must not start.
+    """
     with contextlib.suppress(OSError):
         os.unlink(_TMP, dir_fd=root_fd)  # a save that never finished; never read
     try:
-        fd = os.open(NAME, os.O_RDONLY | _FLAGS, dir_fd=root_fd)
+        # O_NONBLOCK: a FIFO in its place must not hang the start.
+        fd = os.open(NAME, os.O_RDONLY | os.O_NONBLOCK | _FLAGS, dir_fd=root_fd)
     except FileNotFoundError:
         return None
-    except OSError:  # a link in its place (ELOOP), unreadable: removed below, then scanned
+    except OSError:  # a link in its place (ELOOP), unreadable: removed below
         fd = -1
-    try:
-        data = _read_all(fd) if fd >= 0 else None
-    finally:
-        if fd >= 0:
-            os.close(fd)
     try:
         os.unlink(NAME, dir_fd=root_fd)  # never follows a link: removes the link itself
         os.fsync(root_fd)
-    except OSError:
-        return None
-    return data
+        if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            return _read_all(fd)
+        except OSError as exc:
+            raise BadSnapshot(f"unreadable: {exc}") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def save(root_fd: int, data: bytes) -> None:
-    """Write ``data`` as the root's snapshot: to a temp file, synced, then renamed."""
-    fd = os.open(_TMP, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FLAGS, 0o644, dir_fd=root_fd)
+    """Write ``data`` as the root's snapshot: to a new temp file, synced, then renamed.
+
+    The file system is synced first: renames and unlinks of objects are not each synced (only
+    with ``fsync_dir``), and after a power loss the index must not be on disk while what it
+    describes is not (a deleted object back as a file it does not count).
+    """
+    _sync_file_system(root_fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_TMP, dir_fd=root_fd)  # O_EXCL below: never write through a link to it
+    fd = os.open(_TMP, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FLAGS, 0o644, dir_fd=root_fd)
     try:
         view = memoryview(data)
         while view:
@@ -148,3 +167,14 @@ def _read_all(fd: int) -> bytes:
         chunks.append(chunk)
         size -= len(chunk)
     return b"".join(chunks)
+
+
+def _sync_file_system(fd: int) -> None:
+    """syncfs(2) of the file system holding ``fd``; sync(2) where libc has no syncfs."""
+    syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+    if syncfs is None:
+        os.sync()
+        return
+    if syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs: {os.strerror(err)}")

@@ -29,6 +29,7 @@ class ObjectsPoint:
     open_s: float  # a start that scans every record (as after a crash)
     snapshot_open_s: float  # a start after a clean close: reads the saved index
     snapshot_bytes: int
+    close_save_s: float  # closing the Store after the samples, which saves the index
     index_bytes_per_object: float
     rss_after_open: int
     peak_rss: int
@@ -82,6 +83,7 @@ def run_objects_curve(
             open_s=m["open_s"],
             snapshot_open_s=m["snapshot_open_s"],
             snapshot_bytes=m["snapshot_bytes"],
+            close_save_s=m["close_save_s"],
             index_bytes_per_object=m["index_bytes_per_object"],
             rss_after_open=m["rss_after_open"],
             peak_rss=m["peak_rss"],

@@ -97,3 +97,13 @@ async def test_close_stops_a_scan_in_progress(tmp_path: Path) -> None:
         assert all(await again.exists_many(keys))
     finally:
         await again.close()
+
+
+async def test_the_scan_starts_when_the_store_opens(tmp_path: Path) -> None:
+    # Not at the first call: that call (and those after it, for as long as the scan takes)
+    # would be misses. A 1M-object tier takes 5 s to read its saved index, minutes to scan.
+    keys = _write_records(tmp_path, 150)  # ~0.3 s of scanning on this slow disk
+    tier = {"url": f"file://{tmp_path}", "timeout": 0.05}
+    async with Store({"tiers": [tier]}, connectors={0: SlowDisk(tmp_path)}) as store:
+        await asyncio.sleep(3)  # no call yet
+        assert await store.contains(keys[0])  # the first call finds the index ready

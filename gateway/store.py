@@ -25,8 +25,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from typing import Any, Self
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
 import xxhash
@@ -47,6 +47,7 @@ from gateway.tiers import OFFLOAD_BYTES, ConnectorTier, Found, MemoryTier, offlo
 from gateway.types import MemoryFormat, TierStats
 
 log = logging.getLogger("kvgate.store")
+T = TypeVar("T")
 
 DEFAULT_L1_CAPACITY = 2 << 30
 ALLOC_WAIT_POLL = 0.05  # seconds between re-tries while waiting for pool space
@@ -218,9 +219,14 @@ class Store:
             except Exception as exc:  # the next call starts it again, and reports
                 log.warning("tier %s: start-up failed: %s", name, exc)
 
-        task = asyncio.create_task(run(), name=f"kvgate-start-{name}")
+        self._spawn(run(), f"kvgate-start-{name}")
+
+    def _spawn(self, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """A background task of this store's: close() cancels and awaits it."""
+        task = asyncio.create_task(work, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def flush(self) -> None:
         """Wait until every write accepted so far has reached (or failed at) its tier."""
@@ -739,10 +745,7 @@ class Store:
                 log.debug("prefetch of %d keys hit its %.1fs deadline", len(ks), limit)
             return found
 
-        task = asyncio.create_task(run(), name="kvgate-prefetch")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        return self._spawn(run(), "kvgate-prefetch")
 
     # -- introspection -------------------------------------------------------------------
 

@@ -213,9 +213,8 @@ class FileConnector(BaseConnector):
         # for a buffer at that phase, so the disk fills it in place (a hint only: a read that
         # finds another phase goes through its bounce buffer)
         self._phases: dict[str, int] = {}
-        self._scanning: asyncio.Future[dict[str, int]] | None = (
-            None  # the index's scan (see _ready)
-        )
+        # The index's scan, once started (see _ready).
+        self._scanning: asyncio.Future[dict[str, int]] | None = None
         self._closing: asyncio.Future[None] | None = None
         # A file the index forgot but could not remove (an unlink failed): the index no longer
         # tells the whole truth, so close saves none and the next start scans.

@@ -26,7 +26,8 @@ import aioboto3  # type: ignore[import-untyped]
 from aiobotocore.config import AioConfig  # type: ignore[import-untyped]
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
-from connectors.s3.config import Location, S3Options
+from connectors.bucket_url import Location
+from connectors.s3.config import S3Options
 from connectors.s3.errors import code_of, s3_errors, status_of
 from connectors.s3.signing import use_prehashed_signer
 from gateway.errors import ConfigError, GatewayError

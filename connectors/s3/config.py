@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import unquote
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from connectors._options import StrictOptions, parse_options, split_url
-from gateway.config import ByteSize, redact_url
-from gateway.errors import ConfigError
+from connectors._options import StrictOptions, parse_options
+from connectors.bucket_url import Location, parse_bucket_url
+from gateway.config import ByteSize
 
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB
@@ -28,12 +26,6 @@ DEFAULT_STALE_UPLOAD_AGE = 3600.0
 """An hour: longer than any upload of a live gateway, so a sweep aborts only dead ones."""
 MAX_SWEEP_PERIOD = 30 * 86400.0
 """Longest period between sweeps of stale multipart uploads (asyncio sleeps are bounded)."""
-MAX_PREFIX = 512
-"""Bytes of URL prefix: the rest of S3's 1024-byte names is left for the keys."""
-
-# Bucket names as S3 allows them (3-63 chars of lowercase letters, digits, dots and hyphens),
-# plus the underscores and capitals that some S3-compatible servers still accept.
-_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
 
 
 class S3Options(StrictOptions):
@@ -119,31 +111,8 @@ class S3Options(StrictOptions):
             yield name, ("***" if name == "access_key_id" and value else value)
 
 
-@dataclass(frozen=True, slots=True)
-class Location:
-    """Where objects live: a bucket and the prefix every object name starts with."""
-
-    bucket: str
-    prefix: str
-    """"" or a path ending in "/"."""
-
-
 def parse_url(url: str) -> Location:
-    parts = split_url(url, "s3")
-    if parts.username is not None or parts.password is not None:
-        raise ConfigError(
-            f"{redact_url(url)!r}: credentials go in the access_key_id / secret_access_key "
-            "options (or the AWS environment), not in the URL"
-        )
-    bucket = parts.netloc
-    if not _BUCKET_RE.match(bucket):
-        raise ConfigError(f"{url!r}: expected s3://bucket/prefix with a valid bucket name")
-    prefix = unquote(parts.path).strip("/")
-    if "//" in prefix or any(p in (".", "..") for p in prefix.split("/") if prefix):
-        raise ConfigError(f"{url!r}: the prefix must not hold empty, '.' or '..' segments")
-    if len(prefix.encode()) > MAX_PREFIX:
-        raise ConfigError(f"{url!r}: the prefix is limited to {MAX_PREFIX} bytes")
-    return Location(bucket, f"{prefix}/" if prefix else "")
+    return parse_bucket_url(url, "s3")
 
 
 def parse(url: str, options: Mapping[str, Any]) -> tuple[Location, S3Options]:

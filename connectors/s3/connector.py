@@ -15,10 +15,11 @@ from typing import Any, ClassVar, Self
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
 from connectors import object_names as names
+from connectors.bucket_url import Location
 from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
 from connectors.s3 import sweep
 from connectors.s3.client import S3Client, new_session, open_client
-from connectors.s3.config import DEFAULT_STALE_UPLOAD_AGE, Location, S3Options, parse
+from connectors.s3.config import DEFAULT_STALE_UPLOAD_AGE, S3Options, parse
 from connectors.s3.download import download
 from connectors.s3.errors import is_missing, s3_errors
 from connectors.s3.upload import upload

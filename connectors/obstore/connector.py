@@ -1,0 +1,253 @@
+"""``obstore+s3://bucket/prefix``: S3 and compatible stores through obstore.
+
+obstore is a Rust S3 client (the ``object_store`` crate): it signs and moves the bytes in its
+own threads without the GIL, where ``s3://`` (aioboto3 + botocore) runs its request building,
+signing and body handling as Python on the event loop. ``benchmarks/s3_clients.py`` measures
+the two clients side by side.
+
+- Object names are ``s3://``'s (``connectors/object_names.py``), long keys' metadata entry too
+  (``x-amz-meta-kvgate-key``), so the two connectors read and list each other's objects and a
+  deployment can move between them without moving data.
+- Puts: one PutObject from the caller's buffer (S3 makes it atomic). A multipart upload only
+  above ``multipart_threshold`` (off by default; see config.py for why).
+- Gets: one GET. Its headers give the size, checked against the reader's limit before any
+  body byte is buffered; the body lands in obstore's buffer, which ``get`` returns as is and
+  ``get_into`` copies once into the caller's (in a thread for large objects).
+- Timeouts: obstore's per-request ``timeout`` and ``connect_timeout``, and ``request_timeout``
+  around every call on this side as well.
+- Cancellation: obstore drops a cancelled request in its own thread, shortly after the caller
+  has moved on. A put cancelled after its last body byte left may still land, possibly with
+  bytes its (reused) buffer held by then; the Store's frame checksum refuses such an object
+  on read, as it refuses any corrupted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, Self
+
+import obstore
+from obstore.store import S3Store
+
+from connectors import object_names as names
+from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
+from connectors.obstore.config import SCHEME, parse
+from connectors.obstore.errors import is_missing, obstore_errors
+from gateway.client_baseline import timed_put_get
+from gateway.connector import Allocator, read_limit
+from gateway.errors import CorruptObject, Unavailable
+from gateway.thread_jobs import in_thread
+from gateway.types import ObjectInfo
+
+COPY_IN_THREAD_BYTES = 4 << 20
+"""A get's copy into the caller's buffer runs in a thread from this size (about 0.3 ms)."""
+_COPIES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-obstore-copy")
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    dst[:] = src
+
+
+class ObstoreS3Connector(ObjectStoreConnector):
+    scheme: ClassVar[str] = SCHEME
+    capabilities = OBJECT_STORE_CAPABILITIES
+
+    def __init__(self, url: str, **options: Any) -> None:
+        location, self.options = parse(url, options)
+        self.bucket = location.bucket
+        self.prefix = location.prefix
+        self.batch_concurrency = self.options.batch_concurrency
+        self._track_objects(location.prefix)
+        self._store = S3Store(self.bucket, **self.options.store_arguments())
+        self._checked: asyncio.Future[None] | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        return cls(url, **options)
+
+    def __repr__(self) -> str:
+        endpoint = f" at {self.options.endpoint_url}" if self.options.endpoint_url else ""
+        return f"ObstoreS3Connector({SCHEME}://{self.bucket}/{self.prefix}{endpoint})"
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        with obstore_errors(f"{self!r} {what}", self.bucket, self.options.request_timeout):
+            yield
+
+    async def _call(self, what: str, call: Any) -> Any:
+        """Await one obstore call under ``request_timeout``, its errors mapped."""
+        with self._errors(what):
+            async with asyncio.timeout(self.options.request_timeout):
+                return await call
+
+    async def _ready(self) -> None:
+        """The bucket answers (once, on first use): a wrong bucket or secret is a clear
+        ``ConfigError`` at once rather than a miss on every get."""
+        if not self.options.check_bucket:
+            return
+        if self._checked is None:
+            self._checked = asyncio.ensure_future(self._check_bucket())
+        try:
+            await asyncio.shield(self._checked)
+        except BaseException:
+            if self._checked.done() and self._checked.exception() is not None:
+                self._checked = None  # a server that was down may be up at the next call
+            raise
+
+    async def _check_bucket(self) -> None:
+        pages = obstore.list(self._store, prefix=self.prefix or None, chunk_size=1)
+        await self._call("LIST (bucket check)", anext(aiter(pages), None))
+
+    # -- the object-store hooks --------------------------------------------------------------
+
+    async def _download(self, name: str, alloc: Allocator) -> memoryview | None:
+        await self._ready()
+        where = f"GET {names.shown(name)}"
+        with self._errors(where):
+            async with asyncio.timeout(self.options.request_timeout):
+                try:
+                    result = await obstore.get_async(self._store, name)
+                except Exception as exc:
+                    if is_missing(exc):
+                        return None
+                    raise
+                size = int(result.meta["size"])
+                limit = read_limit()
+                if limit is not None and size > limit:  # anyone's object: never an allocation
+                    raise CorruptObject(
+                        f"{names.shown(name)} is {size} bytes, over the {limit} a reader takes"
+                    )
+                body = memoryview(await result.bytes_async())
+        if body.nbytes != size:
+            raise Unavailable(f"{self!r} {where}: {body.nbytes} of {size} bytes arrived")
+        dst = alloc(size)
+        if dst is None:
+            return body  # obstore's own buffer, no copy
+        if dst.nbytes != size:
+            raise ValueError(f"alloc({size}) gave {dst.nbytes} bytes")
+        dst = dst.cast("B") if dst.format != "B" else dst
+        if size < COPY_IN_THREAD_BYTES:
+            dst[:] = body
+        else:
+            await in_thread(_COPIES, lambda: _copy(dst, body))
+        return dst
+
+    async def _stat(self, name: str) -> dict[str, Any] | None:
+        await self._ready()
+        with self._errors(f"HEAD {names.shown(name)}"):
+            async with asyncio.timeout(self.options.request_timeout):
+                try:
+                    return dict(await obstore.head_async(self._store, name))
+                except Exception as exc:
+                    if is_missing(exc):
+                        return None
+                    raise
+
+    async def _upload(self, name: str, parts: list[memoryview], meta: dict[str, str]) -> None:
+        await self._ready()
+        size = sum(p.nbytes for p in parts)
+        threshold = self.options.multipart_threshold
+        multipart = threshold is not None and size > threshold
+        # One buffer goes as it is; several are joined by obstore (in Rust, off the loop).
+        payload: Any = parts[0] if len(parts) == 1 else parts
+        call = obstore.put_async(
+            self._store,
+            name,
+            payload,
+            attributes=dict(meta) if meta else None,
+            use_multipart=multipart,
+            chunk_size=self.options.part_size,
+            max_concurrency=self.options.max_concurrency,
+        )
+        await self._call(f"PUT {names.shown(name)}", call)
+
+    async def _close_client(self) -> None:
+        return None  # obstore's connection pool goes with the store object
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def delete(self, key: str) -> bool:
+        """Delete ``key``; whether it existed (a HEAD first: S3's DELETE does not say)."""
+        with self._op():
+            name = self._name(key)
+            if name is None or await self._stat(name) is None:
+                return False
+            await self._call(f"DELETE {names.shown(name)}", obstore.delete_async(self._store, name))
+            return True
+
+    # -- listing (last: ``list`` would shadow the builtin in annotations below it) -----------
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every stored key starting with ``prefix``, with its size, a page at a time.
+
+        A hashed (very long) key is read back from its object's metadata (a GET with no body).
+        """
+        await self._ready()
+        # obstore lists whole path segments ("a/b" means "a/b/..."), while names of a key
+        # prefix are string prefixes: list from the last "/" and keep the names that match.
+        name_prefix = self._names.list_prefix(prefix)
+        directory = name_prefix.rpartition("/")[0]
+        pages = aiter(obstore.list(self._store, prefix=directory or None))
+        while True:
+            with self._op():  # not held across a yield: a consumer may pause or stop anywhere
+                page = await self._call(f"LIST {prefix!r}", anext(pages, None))
+                if page is None:
+                    return
+                found = []
+                for item in page:
+                    name = str(item["path"])
+                    if not name.startswith(name_prefix):
+                        continue
+                    key = await self._key_of(name)
+                    if key is not None and key.startswith(prefix):
+                        found.append(ObjectInfo(key, int(item["size"])))
+            for info in found:
+                yield info
+
+    async def _key_of(self, name: str) -> str | None:
+        if not self._names.is_hashed(name):
+            return self._names.key_of(name)
+        with self._errors(f"GET (metadata) {names.shown(name)}"):
+            async with asyncio.timeout(self.options.request_timeout):
+                try:
+                    result = await obstore.get_async(self._store, name, options={"head": True})
+                except Exception as exc:
+                    if is_missing(exc):
+                        return None
+                    raise
+        attributes = {k: v for k, v in result.attributes.items() if isinstance(v, str)}
+        key = names.key_from_metadata(attributes)
+        # Only an object of ours: its name is the one its key maps to.
+        return key if key is not None and self._name(key) == name else None
+
+    # -- the benchmark's reference -----------------------------------------------------------
+
+    @classmethod
+    async def raw_client_baseline(
+        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+    ) -> tuple[float, float]:
+        """(put GB/s, get GB/s) of plain obstore: ``put_async`` of the bytes and
+        ``get_async`` + ``bytes_async`` per object, on a store configured like the tier's."""
+        location, opts = parse(url, options)
+        store = S3Store(location.bucket, **opts.store_arguments())
+        data = os.urandom(size)
+        base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
+        keys = [f"{base}{i}" for i in range(count)]
+
+        async def put(i: int) -> object:
+            return await obstore.put_async(store, keys[i], data)
+
+        async def get(i: int) -> int:
+            result = await obstore.get_async(store, keys[i])
+            return memoryview(await result.bytes_async()).nbytes
+
+        try:
+            return await timed_put_get(put, get, size=size, count=count, concurrency=concurrency)
+        finally:
+            with contextlib.suppress(Exception):
+                await obstore.delete_async(store, keys)

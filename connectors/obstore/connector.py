@@ -39,7 +39,7 @@ from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnec
 from connectors.obstore.config import SCHEME, parse
 from connectors.obstore.errors import is_missing, obstore_errors
 from gateway.client_baseline import timed_put_get
-from gateway.connector import Allocator, read_limit
+from gateway.connector import Allocator, FillHook, fill_hook, read_limit
 from gateway.errors import CorruptObject, Unavailable
 from gateway.thread_jobs import in_thread
 from gateway.types import ObjectInfo
@@ -49,8 +49,17 @@ COPY_IN_THREAD_BYTES = 4 << 20
 _COPIES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-obstore-copy")
 
 
-def _copy(dst: memoryview, src: memoryview) -> None:
-    dst[:] = src
+COPY_STEP = 1 << 20
+
+
+def _copy(dst: memoryview, src: memoryview, filled: FillHook | None) -> None:
+    """``dst[:] = src`` a MiB at a time, each reported to the store's checksum while it is
+    still in the CPU cache (a separate pass over a 32 MiB object cost 3.3 ms here)."""
+    for start in range(0, src.nbytes, COPY_STEP):
+        stop = min(start + COPY_STEP, src.nbytes)
+        dst[start:stop] = src[start:stop]
+        if filled is not None:
+            filled(start, stop)
 
 
 class ObstoreS3Connector(ObjectStoreConnector):
@@ -131,10 +140,11 @@ class ObstoreS3Connector(ObjectStoreConnector):
         if dst.nbytes != size:
             raise ValueError(f"alloc({size}) gave {dst.nbytes} bytes")
         dst = dst.cast("B") if dst.format != "B" else dst
+        filled = fill_hook(alloc)
         if size < COPY_IN_THREAD_BYTES:
-            dst[:] = body
+            _copy(dst, body, filled)
         else:
-            await in_thread(_COPIES, lambda: _copy(dst, body))
+            await in_thread(_COPIES, lambda: _copy(dst, body, filled))
         return dst
 
     async def _stat(self, name: str) -> dict[str, Any] | None:

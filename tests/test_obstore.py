@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -263,18 +264,49 @@ async def test_a_stalled_server_times_out(s3_server: S3Server, prefix: str) -> N
             await conn.close()
 
 
+# Keys that spell S3's error codes: the request's URL (in obstore's message) holds them.
+CODE_KEYS = ("NoSuchBucket", "AccessDenied", "EntityTooLarge", "SignatureDoesNotMatch")
+
+
 async def test_a_server_that_is_down_is_unavailable(s3_server: S3Server, prefix: str) -> None:
     conn = obstore_connector(
         s3_server, prefix, endpoint_url=f"http://127.0.0.1:{free_port()}", connect_timeout=1
     )
     try:
-        for call in (lambda: conn.get("k"), lambda: conn.put("k", b"v")):
-            start = time.monotonic()
-            with pytest.raises(Unavailable):
-                await call()
-            assert time.monotonic() - start < 5.0
+        for key in ("k", *CODE_KEYS):
+            for call in (lambda k=key: conn.get(k), lambda k=key: conn.put(k, b"v")):
+                start = time.monotonic()
+                with pytest.raises(Unavailable) as err:
+                    await call()
+                assert type(err.value) is Unavailable  # not a ConfigError or CapacityError
+                assert time.monotonic() - start < 5.0
     finally:
         await conn.close()
+
+
+async def test_keys_that_spell_error_codes_are_plain_keys(s3_server: S3Server, prefix: str) -> None:
+    conn = obstore_connector(s3_server, prefix)
+    try:
+        for key in CODE_KEYS:
+            assert await conn.get(key) is None
+            assert not await conn.exists(key)
+            assert await conn.delete(key) is False
+            await conn.put(key, key.encode())
+            assert bytes(await conn.get(key) or b"") == key.encode()
+        assert await listed(conn, "") == {k: len(k) for k in CODE_KEYS}
+    finally:
+        await conn.close()
+
+
+def test_options_obstore_refuses_are_config_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-ca.pem"
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_bytes(b"this is not a certificate")
+    for options in ({"ca_bundle": missing}, {"ca_bundle": not_pem}):
+        with pytest.raises(ConfigError):
+            ObstoreS3Connector.from_url("obstore+s3://bucket/p", **options)
+    tiny = ObstoreS3Connector.from_url("obstore+s3://bucket/p", request_timeout=1e-3)
+    assert tiny.options.request_timeout == 1e-3  # obstore took "1ms"
 
 
 async def test_through_a_store(s3_server: S3Server, prefix: str) -> None:

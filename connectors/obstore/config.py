@@ -1,10 +1,11 @@
 """Options of ``obstore+s3://bucket/prefix``, turned into obstore's ``S3Store`` arguments.
 
 The URL names the bucket and a key prefix (``connectors/bucket_url.py``, the same rules as
-``s3://``); everything else is a typed option. Credentials that are not given here come from
-obstore's own reading of the environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, …), as an S3 client's operators
-expect. Secrets are ``SecretStr``: never in a repr, a log line or an error.
+``s3://``); everything else is a typed option. Credentials and the region, when not given
+here, come from obstore's own reading of the environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, …), as an S3 client's
+operators expect; the endpoint comes from ``endpoint_url`` only. Secrets are ``SecretStr``:
+never in a repr, a log line or an error.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from connectors._options import StrictOptions, parse_options
 from connectors.bucket_url import Location, parse_bucket_url
 from gateway.config import ByteSize
+from gateway.errors import ConfigError
 
 SCHEME = "obstore+s3"
 MiB = 1 << 20
@@ -40,10 +42,11 @@ class ObstoreS3Options(StrictOptions):
     )
     verify_tls: bool = True
     ca_bundle: Path | None = Field(default=None, description="PEM file of CAs to trust too")
-    connect_timeout: float = Field(default=5.0, gt=0)
+    connect_timeout: float = Field(default=5.0, ge=0.001, le=3600)
     request_timeout: float = Field(
         default=120.0,
-        gt=0,
+        ge=0.001,
+        le=86400,
         description="one whole request (one object each way, or one multipart part)",
     )
     # One PutObject per object by default (S3 takes up to 5 GiB in one): a multipart upload
@@ -101,8 +104,8 @@ class ObstoreS3Options(StrictOptions):
             style = "path" if self.endpoint_url is not None else "virtual"
         config["virtual_hosted_style_request"] = style == "virtual"
         client: dict[str, Any] = {
-            "timeout": f"{self.request_timeout}s",
-            "connect_timeout": f"{self.connect_timeout}s",
+            "timeout": _duration(self.request_timeout),
+            "connect_timeout": _duration(self.connect_timeout),
             "default_content_type": CONTENT_TYPE,
         }
         if self.endpoint_url is not None and self.endpoint_url.startswith("http://"):
@@ -110,9 +113,17 @@ class ObstoreS3Options(StrictOptions):
         if not self.verify_tls:
             client["allow_invalid_certificates"] = True
         if self.ca_bundle is not None:
-            client["root_certificate"] = self.ca_bundle.read_text()
+            try:
+                client["root_certificate"] = self.ca_bundle.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"ca_bundle {str(self.ca_bundle)!r}: {exc}") from None
         retry = {"max_retries": self.max_attempts - 1}
         return {"config": config, "client_options": client, "retry_config": retry}
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as obstore's duration text (whole milliseconds: it parses no exponents)."""
+    return f"{max(1, round(seconds * 1000))}ms"
 
 
 def parse(url: str, options: Mapping[str, Any]) -> tuple[Location, ObstoreS3Options]:

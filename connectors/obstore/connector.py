@@ -13,8 +13,9 @@ the two clients side by side.
 - Gets: one GET. Its headers give the size, checked against the reader's limit before any
   body byte is buffered; the body lands in obstore's buffer, which ``get`` returns as is and
   ``get_into`` copies once into the caller's (in a thread for large objects).
-- Timeouts: obstore's per-request ``timeout`` and ``connect_timeout``, and ``request_timeout``
-  around every call on this side as well.
+- Timeouts: obstore bounds each request by ``request_timeout`` and ``connect_timeout``; each
+  call is bounded on this side too, by what its requests may take: ``request_timeout`` times
+  ``max_attempts`` (obstore's retries), and for a multipart upload times its rounds of parts.
 - Cancellation: obstore drops a cancelled request in its own thread, shortly after the caller
   has moved on. A put cancelled after its last body byte left may still land, possibly with
   bytes its (reused) buffer held by then; the Store's frame checksum refuses such an object
@@ -32,15 +33,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Self
 
 import obstore
+from obstore import exceptions as ox
 from obstore.store import S3Store
 
 from connectors import object_names as names
 from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
-from connectors.obstore.config import SCHEME, parse
+from connectors.obstore.config import SCHEME, ObstoreS3Options, parse
 from connectors.obstore.errors import is_missing, obstore_errors
 from gateway.client_baseline import timed_put_get
 from gateway.connector import Allocator, FillHook, fill_hook, read_limit
-from gateway.errors import CorruptObject, Unavailable
+from gateway.errors import ConfigError, CorruptObject, Unavailable
 from gateway.thread_jobs import in_thread
 from gateway.types import ObjectInfo
 
@@ -62,6 +64,15 @@ def _copy(dst: memoryview, src: memoryview, filled: FillHook | None) -> None:
             filled(start, stop)
 
 
+def _open_store(bucket: str, options: ObstoreS3Options) -> S3Store:
+    """obstore's client; what it refuses (a certificate it cannot parse, ...) is a
+    ``ConfigError`` that names no secret (its messages hold none)."""
+    try:
+        return S3Store(bucket, **options.store_arguments())
+    except (ValueError, ox.BaseError) as exc:
+        raise ConfigError(f"{SCHEME}://{bucket}: obstore refused the options: {exc}") from None
+
+
 class ObstoreS3Connector(ObjectStoreConnector):
     scheme: ClassVar[str] = SCHEME
     capabilities = OBJECT_STORE_CAPABILITIES
@@ -72,8 +83,10 @@ class ObstoreS3Connector(ObjectStoreConnector):
         self.prefix = location.prefix
         self.batch_concurrency = self.options.batch_concurrency
         self._track_objects(location.prefix)
-        self._store = S3Store(self.bucket, **self.options.store_arguments())
+        self._store = _open_store(self.bucket, self.options)
         self._checked: asyncio.Future[None] | None = None
+        # A request's bound, with the attempts obstore may make of it.
+        self._budget = self.options.request_timeout * self.options.max_attempts
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -85,13 +98,14 @@ class ObstoreS3Connector(ObjectStoreConnector):
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
-        with obstore_errors(f"{self!r} {what}", self.bucket, self.options.request_timeout):
+        with obstore_errors(f"{self!r} {what}", self.bucket, self._budget):
             yield
 
-    async def _call(self, what: str, call: Any) -> Any:
-        """Await one obstore call under ``request_timeout``, its errors mapped."""
+    async def _call(self, what: str, call: Any, rounds: int = 1) -> Any:
+        """Await one obstore call of ``rounds`` requests one after another, its errors
+        mapped."""
         with self._errors(what):
-            async with asyncio.timeout(self.options.request_timeout):
+            async with asyncio.timeout(self._budget * rounds):
                 return await call
 
     async def _ready(self) -> None:
@@ -104,7 +118,8 @@ class ObstoreS3Connector(ObjectStoreConnector):
         try:
             await asyncio.shield(self._checked)
         except BaseException:
-            if self._checked.done() and self._checked.exception() is not None:
+            checked = self._checked
+            if checked.done() and (checked.cancelled() or checked.exception() is not None):
                 self._checked = None  # a server that was down may be up at the next call
             raise
 
@@ -118,7 +133,7 @@ class ObstoreS3Connector(ObjectStoreConnector):
         await self._ready()
         where = f"GET {names.shown(name)}"
         with self._errors(where):
-            async with asyncio.timeout(self.options.request_timeout):
+            async with asyncio.timeout(self._budget):
                 try:
                     result = await obstore.get_async(self._store, name)
                 except Exception as exc:
@@ -150,7 +165,7 @@ class ObstoreS3Connector(ObjectStoreConnector):
     async def _stat(self, name: str) -> dict[str, Any] | None:
         await self._ready()
         with self._errors(f"HEAD {names.shown(name)}"):
-            async with asyncio.timeout(self.options.request_timeout):
+            async with asyncio.timeout(self._budget):
                 try:
                     return dict(await obstore.head_async(self._store, name))
                 except Exception as exc:
@@ -174,7 +189,11 @@ class ObstoreS3Connector(ObjectStoreConnector):
             chunk_size=self.options.part_size,
             max_concurrency=self.options.max_concurrency,
         )
-        await self._call(f"PUT {names.shown(name)}", call)
+        rounds = 1
+        if multipart:  # the parts go max_concurrency at a time, then the completion
+            parts_count = -(-size // self.options.part_size)
+            rounds = -(-parts_count // self.options.max_concurrency) + 1
+        await self._call(f"PUT {names.shown(name)}", call, rounds)
 
     async def _close_client(self) -> None:
         return None  # obstore's connection pool goes with the store object
@@ -223,7 +242,7 @@ class ObstoreS3Connector(ObjectStoreConnector):
         if not self._names.is_hashed(name):
             return self._names.key_of(name)
         with self._errors(f"GET (metadata) {names.shown(name)}"):
-            async with asyncio.timeout(self.options.request_timeout):
+            async with asyncio.timeout(self._budget):
                 try:
                     result = await obstore.get_async(self._store, name, options={"head": True})
                 except Exception as exc:
@@ -244,7 +263,7 @@ class ObstoreS3Connector(ObjectStoreConnector):
         """(put GB/s, get GB/s) of plain obstore: ``put_async`` of the bytes and
         ``get_async`` + ``bytes_async`` per object, on a store configured like the tier's."""
         location, opts = parse(url, options)
-        store = S3Store(location.bucket, **opts.store_arguments())
+        store = _open_store(location.bucket, opts)
         data = os.urandom(size)
         base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
         keys = [f"{base}{i}" for i in range(count)]

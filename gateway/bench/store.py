@@ -235,8 +235,13 @@ async def run_bench(
     if direct:
         baseline = baseline.replace("disk", "disk-direct")
     sources = bench_sources(size, count, concurrency)
+    # The baseline puts with as many in flight as the Store's puts have: the tier's write
+    # workers under write-back, but under write-through each put holds one of the bench's
+    # ``concurrency`` callers until every tier has it (4 against 1 made 1 MiB S3 puts look
+    # half as fast as the client).
+    put_parallelism = concurrency if write_policy == "through" else writers
     measure = _Baselines(
-        put_base, get_base, root, sources, count, writers, concurrency, cold, client, direct
+        put_base, get_base, root, sources, count, put_parallelism, concurrency, cold, client, direct
     )
     if root is not None:
         await asyncio.to_thread(settle_disk)  # start from a clean disk, like every phase after
@@ -396,7 +401,7 @@ class _Baselines:
     root: Path | None
     sources: np.ndarray[Any, Any]
     count: int
-    writers: int
+    writers: int  # puts in flight: the tier's write workers, or the bench's callers (through)
     readers: int
     cold: bool
     client: ClientBaseline | None
@@ -416,8 +421,8 @@ class _Baselines:
         if kind == "client":
             if self.client is None:
                 raise ValueError("the client baseline needs a tier whose connector offers one")
-            # Like the disk baseline: puts with the tier's write parallelism (the Store's
-            # writers do the puts), gets with the bench's concurrency.
+            # Like the disk baseline: puts with the Store's put parallelism (``writers``),
+            # gets with the bench's concurrency.
             got = await self.client(size=self.size, count=self.count, concurrency=self.readers)
             if self.writers == self.readers:
                 return got

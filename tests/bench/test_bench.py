@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from servers.redis import RedisNode
 from typer.testing import CliRunner
 
-from gateway.bench.store import BenchResult, combine_runs
+from connectors.redis import RedisConnector
+from gateway.bench.store import BenchResult, combine_runs, run_bench
 from gateway.cli.app import app
 
 
@@ -92,3 +95,39 @@ def test_cli_direct_io_tier_has_an_o_direct_baseline(tmp_path: Path, nbytes: str
     assert data["errors"] == {}
     assert data["baseline_put_gbps"] > 0
     assert data["baseline_get_gbps"] > 0
+
+
+@pytest.mark.parametrize(("policy", "in_flight"), [("back", {1, 4}), ("through", {1})])
+async def test_the_client_baseline_puts_as_many_at_once_as_the_store(
+    redis_server: RedisNode, monkeypatch: pytest.MonkeyPatch, policy: str, in_flight: set[int]
+) -> None:
+    """Write-back puts leave through the tier's 4 writers; a write-through put holds its caller
+    (the bench's concurrency, 1) until the tier has it: the raw client gets the same number of
+    puts in flight, or the ratio compares 4 streams with 1."""
+    asked: list[int] = []
+    measure = RedisConnector.raw_client_baseline
+
+    async def counted(
+        cls: type[RedisConnector],
+        url: str,
+        options: Any,
+        *,
+        size: int,
+        count: int,
+        concurrency: int,
+    ) -> tuple[float, float]:
+        asked.append(concurrency)
+        return await measure(url, options, size=size, count=count, concurrency=concurrency)
+
+    monkeypatch.setattr(RedisConnector, "raw_client_baseline", classmethod(counted))
+    result = await run_bench(
+        [redis_server.url],
+        size=64 << 10,
+        count=8,
+        kind="bytes",
+        baseline="client",
+        write_policy=policy,
+    )
+    assert result.get_hits == 8
+    assert result.baseline_put_gbps > 0
+    assert set(asked) == in_flight

@@ -302,7 +302,7 @@ def test_options_obstore_refuses_are_config_errors(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-ca.pem"
     not_pem = tmp_path / "not.pem"
     not_pem.write_bytes(b"this is not a certificate")
-    for options in ({"ca_bundle": missing}, {"ca_bundle": not_pem}):
+    for options in ({"ca_bundle": str(missing)}, {"ca_bundle": str(not_pem)}):
         with pytest.raises(ConfigError):
             ObstoreS3Connector.from_url("obstore+s3://bucket/p", **options)
     tiny = ObstoreS3Connector.from_url("obstore+s3://bucket/p", request_timeout=1e-3)

@@ -1,6 +1,6 @@
 """Options of ``obstore+s3://bucket/prefix``, turned into obstore's ``S3Store`` arguments.
 
-The URL names the bucket and a key prefix (``connectors/bucket_url.py``, the same rules as
+The URL names the bucket and a key prefix (``connectors/s3_access.py``, the same rules as
 ``s3://``); everything else is a typed option. Credentials and the region, when not given
 here, come from obstore's own reading of the environment (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, …), as an S3 client's
@@ -10,15 +10,14 @@ never in a repr, a log line or an error.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field
 
-from connectors._options import StrictOptions, parse_options
-from connectors.bucket_url import Location, parse_bucket_url
+from connectors._options import parse_options
+from connectors.s3_access import Location, S3AccessOptions, parse_bucket_url
 from gateway.config import ByteSize
 from gateway.errors import ConfigError
 
@@ -29,20 +28,7 @@ MIN_PART_SIZE = 5 * MiB
 CONTENT_TYPE = "application/octet-stream"
 
 
-class ObstoreS3Options(StrictOptions):
-    endpoint_url: str | None = Field(
-        default=None, description="http(s)://host:port of an S3-compatible server; None = AWS"
-    )
-    region: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: SecretStr | None = None
-    session_token: SecretStr | None = None
-    addressing_style: Literal["auto", "path", "virtual"] = Field(
-        default="auto", description="auto: path-style with endpoint_url, else virtual-hosted"
-    )
-    verify_tls: bool = True
-    ca_bundle: Path | None = Field(default=None, description="PEM file of CAs to trust too")
-    connect_timeout: float = Field(default=5.0, ge=0.001, le=3600)
+class ObstoreS3Options(S3AccessOptions):
     request_timeout: float = Field(
         default=120.0,
         ge=0.001,
@@ -66,26 +52,6 @@ class ObstoreS3Options(StrictOptions):
         description="list one object of the bucket on first use (fails fast on a wrong "
         "bucket or secret; needs s3:ListBucket)",
     )
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _check_endpoint(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^https?://[^/?#]+/?$", value):
-            raise ValueError("expected http(s)://host[:port] with no path or query")
-        return value
-
-    @model_validator(mode="after")
-    def _check_credentials(self) -> ObstoreS3Options:
-        if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ValueError("give access_key_id and secret_access_key together (or neither)")
-        if self.session_token is not None and self.access_key_id is None:
-            raise ValueError("session_token needs access_key_id and secret_access_key")
-        return self
-
-    def __repr_args__(self) -> Any:
-        # SecretStr already hides the secrets; the key id is hidden too (config.py's rule).
-        for name, value in super().__repr_args__():
-            yield name, ("***" if name == "access_key_id" and value else value)
 
     def store_arguments(self) -> dict[str, Any]:
         """Keyword arguments of ``obstore.store.S3Store`` (they hold the secret: never log)."""
@@ -114,9 +80,9 @@ class ObstoreS3Options(StrictOptions):
             client["allow_invalid_certificates"] = True
         if self.ca_bundle is not None:
             try:
-                client["root_certificate"] = self.ca_bundle.read_text()
+                client["root_certificate"] = Path(self.ca_bundle).read_text()
             except (OSError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"ca_bundle {str(self.ca_bundle)!r}: {exc}") from None
+                raise ConfigError(f"ca_bundle {self.ca_bundle!r}: {exc}") from None
         retry = {"max_retries": self.max_attempts - 1}
         return {"config": config, "client_options": client, "retry_config": retry}
 

@@ -26,10 +26,10 @@ import aioboto3  # type: ignore[import-untyped]
 from aiobotocore.config import AioConfig  # type: ignore[import-untyped]
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
-from connectors.bucket_url import Location
 from connectors.s3.config import S3Options
 from connectors.s3.errors import code_of, s3_errors, status_of
 from connectors.s3.signing import use_prehashed_signer
+from connectors.s3_access import Location
 from gateway.errors import ConfigError, GatewayError
 
 log = logging.getLogger(__name__)

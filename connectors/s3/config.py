@@ -8,14 +8,13 @@ config files, instance roles), which is what operators of S3 clients expect.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field
 
-from connectors._options import StrictOptions, parse_options
-from connectors.bucket_url import Location, parse_bucket_url
+from connectors._options import parse_options
+from connectors.s3_access import Location, S3AccessOptions, parse_bucket_url
 from gateway.config import ByteSize
 
 MiB = 1 << 20
@@ -28,20 +27,7 @@ MAX_SWEEP_PERIOD = 30 * 86400.0
 """Longest period between sweeps of stale multipart uploads (asyncio sleeps are bounded)."""
 
 
-class S3Options(StrictOptions):
-    endpoint_url: str | None = Field(
-        default=None, description="http(s)://host:port of an S3-compatible server; None = AWS"
-    )
-    region: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: SecretStr | None = None
-    session_token: SecretStr | None = None
-    addressing_style: Literal["auto", "path", "virtual"] = Field(
-        default="auto", description="MinIO and SeaweedFS need 'path'"
-    )
-    verify_tls: bool = True
-    ca_bundle: str | None = Field(default=None, description="PEM file of CAs to trust")
-    connect_timeout: float = Field(default=5.0, gt=0)
+class S3Options(S3AccessOptions):
     read_timeout: float = Field(
         default=30.0, gt=0, description="longest silence on a socket while a request runs"
     )
@@ -89,26 +75,6 @@ class S3Options(StrictOptions):
         allow_inf_nan=False,
         description="seconds between those sweeps, after the first; None: only the first",
     )
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _check_endpoint(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^https?://[^/?#]+/?$", value):
-            raise ValueError("expected http(s)://host[:port] with no path or query")
-        return value
-
-    @model_validator(mode="after")
-    def _check_credentials(self) -> S3Options:
-        if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ValueError("give access_key_id and secret_access_key together (or neither)")
-        if self.session_token is not None and self.access_key_id is None:
-            raise ValueError("session_token needs access_key_id and secret_access_key")
-        return self
-
-    def __repr_args__(self) -> Any:
-        # SecretStr already hides the secrets; the key id is hidden too (config.py's rule).
-        for name, value in super().__repr_args__():
-            yield name, ("***" if name == "access_key_id" and value else value)
 
 
 def parse_url(url: str) -> Location:

@@ -15,7 +15,6 @@ from typing import Any, ClassVar, Self
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
 from connectors import object_names as names
-from connectors.bucket_url import Location
 from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
 from connectors.s3 import sweep
 from connectors.s3.client import S3Client, new_session, open_client
@@ -23,6 +22,7 @@ from connectors.s3.config import DEFAULT_STALE_UPLOAD_AGE, S3Options, parse
 from connectors.s3.download import download
 from connectors.s3.errors import is_missing, s3_errors
 from connectors.s3.upload import upload
+from connectors.s3_access import Location
 from gateway.client_baseline import timed_put_get
 from gateway.connector import Allocator
 from gateway.errors import ConfigError

@@ -10,9 +10,10 @@ over the rounds; the ratio is kvgate's p50 over the baseline's.
 
 Baselines, by the deepest tier's scheme: ``redis``: redis-py's pipelined ``EXISTS`` of the
 connector's server keys (and, as a floor, one ``EXISTS k1 ... kN``, which answers only a
-count); ``file``: ``os.stat`` of each object's path in a thread (what reading the directory
-costs; the tier itself answers from its index in memory); ``memory``: Python ``in`` over a
-set of the keys. Other schemes are measured without a baseline.
+count); ``valkey``/``valkeys`` (one server): glide's non-atomic batch of one ``EXISTS`` per
+key, and the same floor; ``file``: ``os.stat`` of each object's path in a thread (what
+reading the directory costs; the tier itself answers from its index in memory); ``memory``:
+Python ``in`` over a set of the keys. Other schemes are measured without a baseline.
 """
 
 from __future__ import annotations
@@ -190,6 +191,8 @@ class _Baseline:
         scheme = getattr(conn, "scheme", "")
         if scheme == "redis" and hasattr(conn, "main_key"):
             self._redis(conn, keys)
+        elif scheme in ("valkey", "valkeys") and hasattr(conn, "main_key"):
+            self._valkey(conn, keys)
         elif scheme == "file" and hasattr(conn, "path_for"):
             paths = [conn.path_for(k) for k in keys]
             self.name = "os.stat per key (thread)"
@@ -220,6 +223,40 @@ class _Baseline:
 
         async def close() -> None:
             await client.aclose()
+
+        self.run, self.floor, self._close = pipelined, one_command, close
+
+    def _valkey(self, conn: Any, keys: list[str]) -> None:
+        """glide, the obvious way: a non-atomic batch (a pipeline) of one EXISTS per key,
+        on a client of its own configured like the connector's."""
+        from glide import Batch
+
+        from connectors.valkey.client import close_quietly, create_client
+        from connectors.valkey.config import glide_config
+
+        mains = [conn.main_key(k) for k in keys]
+        opened: list[Any] = []  # connected by the first (warm-up) round
+        self.name = "glide pipelined EXISTS"
+        self.floor_name = "one EXISTS k1..kN (count only)"
+
+        async def client() -> Any:
+            if not opened:
+                config = glide_config(conn.endpoint, conn.options)
+                opened.append(await create_client(config, conn.endpoint.display))
+            return opened[0]
+
+        async def pipelined() -> object:
+            batch = Batch(is_atomic=False)
+            for main in mains:
+                batch.exists([main])
+            return await (await client()).exec(batch, raise_on_error=True)
+
+        async def one_command() -> object:
+            return await (await client()).exists(mains)
+
+        async def close() -> None:
+            for opened_client in opened:
+                await close_quietly(opened_client)
 
         self.run, self.floor, self._close = pipelined, one_command, close
 

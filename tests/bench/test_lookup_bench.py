@@ -37,3 +37,16 @@ def test_cli_lookup_refuses_bad_lengths() -> None:
     result = CliRunner().invoke(app, ["bench", "lookup", "--lengths", "0,4"])
     assert result.exit_code == 2
     assert "positive" in result.output
+
+
+def test_cli_lookup_against_valkey_has_glides_baseline(valkey_server: str) -> None:
+    args = ["bench", "lookup", "-s", f"memory,{valkey_server}", "--lengths", "3,70"]
+    result = CliRunner().invoke(app, [*args, "--rounds", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    points = json.loads(result.stdout)["points"]
+    assert [p["length"] for p in points] == [3, 70]
+    for p in points:
+        assert p["baseline"] == "glide pipelined EXISTS"
+        assert p["baseline_p50_ms"] > 0
+        assert p["floor_p50_ms"] > 0
+        assert p["ratio"] == pytest.approx(p["p50_ms"] / p["baseline_p50_ms"])

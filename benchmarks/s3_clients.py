@@ -4,7 +4,7 @@ Issue 19 asked whether obstore (a Rust S3 client that signs and sends without th
 make a faster ``s3://`` tier than aioboto3 + botocore, which the connector is built on. This
 measures the three the same way, on the same server, in alternating rounds::
 
-    .venv/bin/pip install obstore          # not a kvgate dependency
+    .venv/bin/pip install -e ".[obstore,s3]"   # obstore and aioboto3 (both in `all`)
     .venv/bin/python benchmarks/s3_clients.py [--sizes 1MiB,32MiB] [-n N] [--rounds 3] [--json]
     .venv/bin/python benchmarks/s3_clients.py --endpoint http://127.0.0.1:8333 --bucket B \\
         --access-key K --secret-key S        # a running server instead of SeaweedFS

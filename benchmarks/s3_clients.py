@@ -1,8 +1,9 @@
-"""S3 clients side by side on one server: kvgate's ``s3://`` connector, aioboto3 and obstore.
+"""S3 clients side by side on one server: aioboto3, obstore, and kvgate's two S3 tiers.
 
 Issue 19 asked whether obstore (a Rust S3 client that signs and sends without the GIL) would
-make a faster ``s3://`` tier than aioboto3 + botocore, which the connector is built on. This
-measures the three the same way, on the same server, in alternating rounds::
+make a faster S3 tier than aioboto3 + botocore, which ``s3://`` is built on; it did, and
+``obstore+s3://`` is that tier. This measures them all the same way, on the same server, in
+alternating rounds::
 
     .venv/bin/pip install -e ".[obstore,s3]"   # obstore and aioboto3 (both in `all`)
     .venv/bin/python benchmarks/s3_clients.py [--sizes 1MiB,32MiB] [-n N] [--rounds 3] [--json]

@@ -28,9 +28,9 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 import obstore
 from obstore import exceptions as ox
@@ -46,12 +46,13 @@ from gateway.errors import ConfigError, CorruptObject, Unavailable
 from gateway.thread_jobs import in_thread
 from gateway.types import ObjectInfo
 
+T = TypeVar("T")
+
 COPY_IN_THREAD_BYTES = 4 << 20
-"""A get's copy into the caller's buffer runs in a thread from this size (about 0.3 ms)."""
-_COPIES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-obstore-copy")
-
-
+"""A get's copy into the caller's buffer runs in a thread from this size: the store's own
+threshold for CPU work on the loop (``gateway.tiers.OFFLOAD_BYTES``)."""
 COPY_STEP = 1 << 20
+_COPIES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-obstore-copy")
 
 
 def _copy(dst: memoryview, src: memoryview, filled: FillHook | None) -> None:
@@ -101,12 +102,23 @@ class ObstoreS3Connector(ObjectStoreConnector):
         with obstore_errors(f"{self!r} {what}", self.bucket, self._budget):
             yield
 
-    async def _call(self, what: str, call: Any, rounds: int = 1) -> Any:
+    async def _call(self, what: str, call: Awaitable[T], rounds: int = 1) -> T:
         """Await one obstore call of ``rounds`` requests one after another, its errors
         mapped."""
         with self._errors(what):
             async with asyncio.timeout(self._budget * rounds):
                 return await call
+
+    async def _unless_missing(self, what: str, call: Awaitable[T]) -> T | None:
+        """``_call`` of a request about one object; None when there is no such object."""
+        with self._errors(what):
+            async with asyncio.timeout(self._budget):
+                try:
+                    return await call
+                except Exception as exc:
+                    if is_missing(exc):
+                        return None
+                    raise
 
     async def _ready(self) -> None:
         """The bucket answers (once, on first use): a wrong bucket or secret is a clear
@@ -132,21 +144,16 @@ class ObstoreS3Connector(ObjectStoreConnector):
     async def _download(self, name: str, alloc: Allocator) -> memoryview | None:
         await self._ready()
         where = f"GET {names.shown(name)}"
-        with self._errors(where):
-            async with asyncio.timeout(self._budget):
-                try:
-                    result = await obstore.get_async(self._store, name)
-                except Exception as exc:
-                    if is_missing(exc):
-                        return None
-                    raise
-                size = int(result.meta["size"])
-                limit = read_limit()
-                if limit is not None and size > limit:  # anyone's object: never an allocation
-                    raise CorruptObject(
-                        f"{names.shown(name)} is {size} bytes, over the {limit} a reader takes"
-                    )
-                body = memoryview(await result.bytes_async())
+        result = await self._unless_missing(where, obstore.get_async(self._store, name))
+        if result is None:
+            return None
+        size = int(result.meta["size"])
+        limit = read_limit()
+        if limit is not None and size > limit:  # anyone's object: never an allocation
+            raise CorruptObject(
+                f"{names.shown(name)} is {size} bytes, over the {limit} a reader takes"
+            )
+        body = memoryview(await self._call(where, result.bytes_async()))
         if body.nbytes != size:
             raise Unavailable(f"{self!r} {where}: {body.nbytes} of {size} bytes arrived")
         dst = alloc(size)
@@ -162,16 +169,11 @@ class ObstoreS3Connector(ObjectStoreConnector):
             await in_thread(_COPIES, lambda: _copy(dst, body, filled))
         return dst
 
-    async def _stat(self, name: str) -> dict[str, Any] | None:
+    async def _stat(self, name: str) -> object | None:
         await self._ready()
-        with self._errors(f"HEAD {names.shown(name)}"):
-            async with asyncio.timeout(self._budget):
-                try:
-                    return dict(await obstore.head_async(self._store, name))
-                except Exception as exc:
-                    if is_missing(exc):
-                        return None
-                    raise
+        return await self._unless_missing(
+            f"HEAD {names.shown(name)}", obstore.head_async(self._store, name)
+        )
 
     async def _upload(self, name: str, parts: list[memoryview], meta: dict[str, str]) -> None:
         await self._ready()
@@ -241,14 +243,11 @@ class ObstoreS3Connector(ObjectStoreConnector):
     async def _key_of(self, name: str) -> str | None:
         if not self._names.is_hashed(name):
             return self._names.key_of(name)
-        with self._errors(f"GET (metadata) {names.shown(name)}"):
-            async with asyncio.timeout(self._budget):
-                try:
-                    result = await obstore.get_async(self._store, name, options={"head": True})
-                except Exception as exc:
-                    if is_missing(exc):
-                        return None
-                    raise
+        where = f"GET (metadata) {names.shown(name)}"
+        call = obstore.get_async(self._store, name, options={"head": True})
+        result = await self._unless_missing(where, call)
+        if result is None:
+            return None
         attributes = {k: v for k, v in result.attributes.items() if isinstance(v, str)}
         key = names.key_from_metadata(attributes)
         # Only an object of ours: its name is the one its key maps to.

@@ -418,7 +418,9 @@ async def test_raw_client_baseline_measures_and_cleans_up(s3_server: S3Server) -
 # -- faults through the Store ------------------------------------------------------------------
 
 TIER_TIMEOUT = 1.0
-SLACK = 0.5
+# A busy 2-core CI machine once took 1.57 s for a call bounded at 1 s; a hang would take the
+# client's own 30 s.
+SLACK = 1.5
 
 
 async def test_store_rides_out_a_seaweedfs_kill(s3_server_private: S3Server) -> None:

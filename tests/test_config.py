@@ -188,6 +188,16 @@ def test_mapping_without_tiers_gets_default_tiers(tmp_path: Path) -> None:
     assert cfg.chunk_size == 64
 
 
+def test_the_default_disk_tier_uses_direct_io_unless_told_not_to(tmp_path: Path) -> None:
+    env = {"KVGATE_DATA_DIR": str(tmp_path)}
+    cfg = load_config({}, env=env)
+    assert cfg.tiers[1].options == {"direct_io": True}
+    assert cfg.pool_in_huge_pages()  # O_DIRECT reads into huge pages (StoreConfig docstring)
+    off = load_config({}, env={**env, "KVGATE_TIERS__1__OPTIONS__DIRECT_IO": "false"})
+    assert off.tiers[1].options == {"direct_io": "false"}  # the connector's options parse it
+    assert not off.pool_in_huge_pages()
+
+
 def test_store_config_source_is_final() -> None:
     given_cfg = StoreConfig(tiers=[TierConfig(url="memory://")])
     assert load_config(given_cfg, env={"KVGATE_CHUNK_SIZE": "9"}) is given_cfg

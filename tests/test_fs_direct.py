@@ -28,6 +28,7 @@ from connectors.fs import record as rec
 from connectors.fs.connector import FileConnector
 from connectors.fs.read import DIRECT_IO_BYTES
 from gateway import Store
+from gateway.config import load_config
 from gateway.errors import CapacityError
 from gateway.testing import assert_same_bytes, make_bytes
 
@@ -210,6 +211,25 @@ async def test_store_round_trips_and_checks_direct_records(tmp_path: Path) -> No
         flip_byte(paths["u8"], 1000)
         assert await store.get("u8") is None
         assert sum(s.corrupt for s in store.stats().values()) == 1
+
+
+async def test_the_embedded_default_keeps_large_objects_out_of_the_page_cache(
+    tmp_path: Path,
+) -> None:
+    """No config at all (memory + disk): what the memory tier holds is not cached a second time
+    by the page cache, and a restart reads it back from the disk."""
+    cfg = load_config({"prefault": False}, env={"KVGATE_DATA_DIR": str(tmp_path)})
+    obj = torch.randn(4 * MiB // 4)
+    async with Store(cfg) as store:
+        await store.put("chunk", obj)
+        await store.flush()
+    path = object_path(tmp_path, "chunk")
+    assert record_fields(path)[0] == rec.VERSION_PADDED
+    assert resident_bytes(path) <= FEW_PAGES  # buffered, all 4 MiB would be resident
+    async with Store(cfg) as store:  # a fresh memory tier: the disk tier answers
+        got = await store.get("chunk")
+        assert isinstance(got, torch.Tensor)
+        assert torch.equal(got, obj)
 
 
 def object_path(root: Path, key: str) -> str:

@@ -31,19 +31,18 @@ fsync is one more journal commit to wait for. (Measured here with
 0.94 with it, within this disk's noise, which swings 0.6-2.2 from round to round.)
 Puts and deletes of one key are serialized by a per-key lock; reads take no lock.
 
-``direct_io`` (off by default; LMCache's ``use_odirect``) moves objects of DIRECT_IO_BYTES or
-more with O_DIRECT, so that the tier does not fill the page cache with what the memory tier
-above it already caches. A put whose last part (the payload) starts on a page (a slab of the
-store's staging pool) is written straight from that memory: the record is padded (version 2,
-see record.py) so that the payload lands on a block boundary. Other puts (codec output, small
-objects) write unpadded records through the page cache. Padded records are read with O_DIRECT:
-the index keeps where in a page each one's data starts, the allocator places the buffer at
-that phase (``placed``), and the disk fills its whole blocks in place; the partial blocks at
-either end, or a buffer at another phase, go through a small per-thread bounce buffer.
-Unpadded records are read through the page cache. A filesystem that refuses O_DIRECT (EINVAL
-at open, write or read) turns the option off with a warning, and the operation is redone
-through the page cache. Records written with it (version 2) are not readable by kvgate
-versions before it.
+``direct_io`` (off by default, on in the embedded default config; LMCache's ``use_odirect``) moves
+objects of DIRECT_IO_BYTES or more with O_DIRECT, so that the tier does not fill the page cache with
+what the memory tier above it already caches. A put whose last part (the payload) starts on a page
+(a slab of the store's staging pool) is written straight from that memory: the record is padded
+(version 2, see record.py) so that the payload lands on a block boundary. Other puts (codec output,
+small objects) write unpadded records through the page cache. Padded records are read with O_DIRECT:
+the index keeps where in a page each one's data starts, the allocator places the buffer at that
+phase (``placed``), and the disk fills its whole blocks in place; the partial blocks at either end,
+or a buffer at another phase, go through a small per-thread bounce buffer. Unpadded records are read
+through the page cache. A filesystem that refuses O_DIRECT (EINVAL at open, write or read) turns the
+option off with a warning, and the operation is redone through the page cache. Records written with
+it (version 2) are not readable by kvgate versions before it.
 
 The index is built lazily, in a worker thread, by the first operation (or an explicit
 ``await connector.open()``): construction only takes the lock, so it is cheap and sync, and

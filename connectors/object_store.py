@@ -53,6 +53,10 @@ class ObjectStoreConnector(BaseConnector):
             return None
         return self._names.object_name(key)
 
+    def object_name(self, key: str) -> str | None:
+        """The name ``key``'s object has in the store (None: a key too long to be stored)."""
+        return self._name(key)
+
     # -- the hooks ---------------------------------------------------------------------------
 
     async def _download(self, name: str, alloc: Allocator) -> memoryview | None:

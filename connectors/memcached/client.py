@@ -498,8 +498,10 @@ class MemcachedClient:
     ) -> list[T]:
         """Send ``commands`` on one connection, then read one status line per command."""
         async with self._session(what) as (conn, progress):
-            for command in commands:
-                await conn.write(command, progress)
+            # As one write: runs of small chunks across commands leave in one send, not one
+            # send per command (1024 ``mg`` took 25 ms as 1024 sends; aiomcache's one
+            # ``get k1 .. kN`` line took 10).
+            await conn.write([chunk for command in commands for chunk in command], progress)
             replies = []
             for _ in commands:
                 line = _check_reply(await conn.readline())

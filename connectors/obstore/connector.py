@@ -65,7 +65,7 @@ def _copy(dst: memoryview, src: memoryview, filled: FillHook | None) -> None:
             filled(start, stop)
 
 
-def _open_store(bucket: str, options: ObstoreS3Options) -> S3Store:
+def open_store(bucket: str, options: ObstoreS3Options) -> S3Store:
     """obstore's client; what it refuses (a certificate it cannot parse, ...) is a
     ``ConfigError`` that names no secret (its messages hold none)."""
     try:
@@ -84,7 +84,7 @@ class ObstoreS3Connector(ObjectStoreConnector):
         self.prefix = location.prefix
         self.batch_concurrency = self.options.batch_concurrency
         self._track_objects(location.prefix)
-        self._store = _open_store(self.bucket, self.options)
+        self._store = open_store(self.bucket, self.options)
         self._checked: asyncio.Future[None] | None = None
         # A request's bound, with the attempts obstore may make of it.
         self._budget = self.options.request_timeout * self.options.max_attempts
@@ -262,7 +262,7 @@ class ObstoreS3Connector(ObjectStoreConnector):
         """(put GB/s, get GB/s) of plain obstore: ``put_async`` of the bytes and
         ``get_async`` + ``bytes_async`` per object, on a store configured like the tier's."""
         location, opts = parse(url, options)
-        store = _open_store(location.bucket, opts)
+        store = open_store(location.bucket, opts)
         data = os.urandom(size)
         base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
         keys = [f"{base}{i}" for i in range(count)]

@@ -8,12 +8,10 @@ tier has evicted a long context. Each round times one ``lookup`` of the N keys, 
 baseline on the same keys; rounds alternate, so both sides see the same load. p50 and p99 are
 over the rounds; the ratio is kvgate's p50 over the baseline's.
 
-Baselines, by the deepest tier's scheme: ``redis``: redis-py's pipelined ``EXISTS`` of the
-connector's server keys (and, as a floor, one ``EXISTS k1 ... kN``, which answers only a
-count); ``valkey``/``valkeys`` (one server): glide's non-atomic batch of one ``EXISTS`` per
-key, and the same floor; ``file``: ``os.stat`` of each object's path in a thread (what
-reading the directory costs; the tier itself answers from its index in memory); ``memory``:
-Python ``in`` over a set of the keys. Other schemes are measured without a baseline.
+The baselines, one per scheme of the deepest tier (Redis, Valkey, memcached, S3 on aioboto3
+or obstore, the disk tier, the memory tier alone), are in ``gateway.bench.lookup_baselines``.
+``tier_options`` are connector options of each stack's last tier (an S3 stack's endpoint and
+credentials).
 """
 
 from __future__ import annotations
@@ -28,11 +26,12 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gateway.bench.lookup_baselines import LookupBaseline
 from gateway.store import Store
 
 DEFAULT_LENGTHS = (16, 64, 256, 1024, 4096)
@@ -126,7 +125,9 @@ def servers(stacks: Sequence[Sequence[str]], redis_url: str | None) -> Iterator[
                 proc.wait(10)
 
 
-def tier_urls(stack: Sequence[str], where: Servers, run: str) -> list[dict[str, Any]]:
+def tier_urls(
+    stack: Sequence[str], where: Servers, run: str, last_options: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
     tiers: list[dict[str, Any]] = []
     for i, item in enumerate(stack):
         if item == "memory":
@@ -138,15 +139,9 @@ def tier_urls(stack: Sequence[str], where: Servers, run: str) -> list[dict[str, 
             tiers.append({"url": where.redis_url})
         else:
             tiers.append({"url": item})
+    if last_options and tiers:
+        tiers[-1]["options"] = dict(last_options)
     return tiers
-
-
-def _connector_of(tier: object) -> object:
-    """The connector under a tier's layers (for its server keys and paths)."""
-    conn = getattr(tier, "connector", tier)
-    while hasattr(conn, "inner"):
-        conn = conn.inner
-    return conn
 
 
 async def _alternating(calls: Sequence[Timed], rounds: int) -> list[list[float]]:
@@ -168,113 +163,17 @@ def _p(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1e3
 
 
-class _Baseline:
-    """The raw client of the deepest tier, for one key set (module docs)."""
-
-    def __init__(self, store: Store, keys: list[str]) -> None:
-        self.name: str | None = None
-        self.floor_name: str | None = None
-        self.run: Timed | None = None
-        self.floor: Timed | None = None
-        self._close: Callable[[], Awaitable[None]] | None = None
-        tiers = store.tiers
-        if not tiers:
-            wanted = set(keys)
-            self.name = "set membership"
-
-            async def member() -> object:
-                return [k in wanted for k in keys]
-
-            self.run = member
-            return
-        conn = _connector_of(tiers[-1])
-        scheme = getattr(conn, "scheme", "")
-        if scheme == "redis" and hasattr(conn, "main_key"):
-            self._redis(conn, keys)
-        elif scheme in ("valkey", "valkeys") and hasattr(conn, "main_key"):
-            self._valkey(conn, keys)
-        elif scheme == "file" and hasattr(conn, "path_for"):
-            paths = [conn.path_for(k) for k in keys]
-            self.name = "os.stat per key (thread)"
-
-            async def stat_all() -> object:
-                return await asyncio.to_thread(lambda: [os.path.exists(p) for p in paths])
-
-            self.run = stat_all
-
-    def _redis(self, conn: Any, keys: list[str]) -> None:
-        import redis.asyncio as aredis
-
-        mains = [conn.main_key(k) for k in keys]
-        target = conn.target
-        (host, port), *_ = target.hosts
-        client = aredis.Redis(host=host, port=port, db=target.db, password=target.password)
-        self.name = "redis-py pipelined EXISTS"
-        self.floor_name = "one EXISTS k1..kN (count only)"
-
-        async def pipelined() -> object:
-            async with client.pipeline(transaction=False) as pipe:
-                for main in mains:
-                    pipe.exists(main)
-                return await pipe.execute()
-
-        async def one_command() -> object:
-            return await client.exists(*mains)
-
-        async def close() -> None:
-            await client.aclose()
-
-        self.run, self.floor, self._close = pipelined, one_command, close
-
-    def _valkey(self, conn: Any, keys: list[str]) -> None:
-        """glide, the obvious way: a non-atomic batch (a pipeline) of one EXISTS per key,
-        on a client of its own configured like the connector's."""
-        from glide import Batch
-
-        from connectors.valkey.client import close_quietly, create_client
-        from connectors.valkey.config import glide_config
-
-        mains = [conn.main_key(k) for k in keys]
-        opened: list[Any] = []  # connected by the first (warm-up) round
-        self.name = "glide pipelined EXISTS"
-        self.floor_name = "one EXISTS k1..kN (count only)"
-
-        async def client() -> Any:
-            if not opened:
-                config = glide_config(conn.endpoint, conn.options)
-                opened.append(await create_client(config, conn.endpoint.display))
-            return opened[0]
-
-        async def pipelined() -> object:
-            batch = Batch(is_atomic=False)
-            for main in mains:
-                batch.exists([main])
-            return await (await client()).exec(batch, raise_on_error=True)
-
-        async def one_command() -> object:
-            return await (await client()).exists(mains)
-
-        async def close() -> None:
-            for opened_client in opened:
-                await close_quietly(opened_client)
-
-        self.run, self.floor, self._close = pipelined, one_command, close
-
-    async def close(self) -> None:
-        if self._close is not None:
-            await self._close()
-
-
 async def measure_stack(
     stack: Sequence[str],
     where: Servers,
     lengths: Sequence[int],
     rounds: int,
     progress: Callable[[int], None] = lambda n: None,
+    tier_options: Mapping[str, Any] | None = None,
 ) -> list[LookupPoint]:
     """Every prefix length on one tier stack (module docs)."""
     run = uuid.uuid4().hex[:8]
-    cfg = {"tiers": tier_urls(stack, where, run), "prefault": False}
+    cfg = {"tiers": tier_urls(stack, where, run, tier_options), "prefault": False}
     name = "+".join(stack)
     points: list[LookupPoint] = []
     async with Store(cfg) as store:
@@ -284,7 +183,7 @@ async def measure_stack(
             found = await store.lookup(keys)
             if found != n:
                 raise RuntimeError(f"{name}: lookup found {found} of {n} keys placed")
-            base = _Baseline(store, keys)
+            base = LookupBaseline(store, keys)
             calls: list[Timed] = [functools.partial(store.lookup, keys)]
             calls += [c for c in (base.run, base.floor) if c is not None]
             try:
@@ -335,6 +234,7 @@ async def run_lookup_bench(
     rounds: int = 50,
     redis_url: str | None = None,
     progress: Callable[[int], None] = lambda n: None,
+    tier_options: Mapping[str, Any] | None = None,
 ) -> list[LookupPoint]:
     # Starting redis-server polls with time.sleep, and stopping it waits for the process:
     # both in a worker thread, never on this loop.
@@ -343,7 +243,7 @@ async def run_lookup_bench(
     try:
         points: list[LookupPoint] = []
         for stack in stacks:
-            points += await measure_stack(stack, where, lengths, rounds, progress)
+            points += await measure_stack(stack, where, lengths, rounds, progress, tier_options)
         return points
     finally:
         await asyncio.to_thread(opened.__exit__, None, None, None)

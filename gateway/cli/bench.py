@@ -335,6 +335,13 @@ def bench_lookup(
             help="redis:// URL for 'redis' in a stack (default: a redis-server of its own)"
         ),
     ] = None,
+    tier_options: Annotated[
+        str | None,
+        typer.Option(
+            help="JSON connector options of each stack's last tier, e.g. "
+            '\'{"endpoint_url": "..."}\''
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
 ) -> None:
     """Store.lookup latency (p50, p99) against the prefix length, per tier stack, every key
@@ -348,6 +355,7 @@ def bench_lookup(
             raise ValueError("lengths must be positive integers")
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--stack / --lengths") from None
+    options = _json_object(tier_options, "--tier-options") if tier_options else None
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -365,6 +373,7 @@ def bench_lookup(
                     rounds=rounds,
                     redis_url=redis,
                     progress=lambda n: bar.advance(task, n),
+                    tier_options=options,
                 )
             )
         except RuntimeError as exc:

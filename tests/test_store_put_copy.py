@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gateway import Store
+from gateway.errors import InvalidObject
 from gateway.store import PUT_COPY_OFFLOAD_BYTES
 from gateway.tiers import OFFLOAD_BYTES
 
@@ -62,3 +63,50 @@ async def test_every_put_survives_the_lower_tier_and_reads_back_verified() -> No
             assert isinstance(got, np.ndarray)
             np.testing.assert_array_equal(got, obj)
         assert not any(s.errors for s in store.stats().values())
+
+
+@pytest.mark.parametrize("l1", [True, False])
+@pytest.mark.parametrize("size", [4096, 3 * PUT_COPY_OFFLOAD_BYTES + 8])
+async def test_a_staged_put_keeps_the_reserved_memory_and_checksums_it(l1: bool, size: int) -> None:
+    """Bytes received into ``reserve``'s slab are stored as they are (the memory tier holds
+    that very memory), and lower tiers get them framed with a checksum that verifies."""
+    lower = f"memory://{uuid.uuid4().hex}"
+    want = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    async with Store(_config(lower, l1=l1)) as store:
+        slab = store.reserve(size)
+        assert slab is not None
+        np.frombuffer(slab.view(), np.uint8)[:] = want  # as a server receives into it
+        try:
+            await store.put("k", torch.frombuffer(slab.view(), dtype=torch.uint8), staged=slab)
+        finally:
+            slab.release()
+        if l1:
+            stored = await store.get_stored("k")
+            assert stored is not None
+            kept = np.frombuffer(stored.host(), np.uint8)
+            assert kept.ctypes.data == np.frombuffer(slab.view(), np.uint8).ctypes.data
+            np.testing.assert_array_equal(kept, want)
+        await store.flush()
+    async with Store(_config(lower, l1=False)) as fresh:
+        got = await fresh.get("k")
+        assert isinstance(got, torch.Tensor)
+        np.testing.assert_array_equal(got.numpy(), want)
+        assert not any(s.errors for s in fresh.stats().values())
+
+
+async def test_a_staged_put_of_other_memory_is_refused_and_the_pool_gets_its_slab_back() -> None:
+    async with Store(_config(f"memory://{uuid.uuid4().hex}", l1=True)) as store:
+        assert store.pool is not None
+        before = store.pool.used
+        slab = store.reserve(8192)
+        assert slab is not None
+        elsewhere = torch.zeros(8192, dtype=torch.uint8)
+        with pytest.raises(InvalidObject, match="staged slab's bytes"):
+            await store.put("k", elsewhere, staged=slab)
+        with pytest.raises(InvalidObject, match="staged slab's bytes"):
+            await store.put("k", torch.zeros(4096, dtype=torch.uint8), staged=slab)
+        slab.release()
+        assert store.pool.used == before
+        assert await store.get("k") is None
+        assert store.reserve(0) is None
+        assert store.reserve(store.pool.capacity + 1) is None

@@ -77,6 +77,7 @@ from gateway.lmcache.wire import (
     strip_shape,
 )
 from gateway.log_limit import RepeatLimiter
+from gateway.memory import Slab
 from gateway.objects import HAS_TORCH, ITEMSIZE, ObjectMeta, torch_dtype
 from gateway.store import Store
 from gateway.transport import stream_transport
@@ -90,6 +91,7 @@ KEEP_TOTAL = 256 << 20  # ... and all connections together keep at most this muc
 MAP_FROM = 1 << 20  # payload buffers from this size on are mappings of untouched pages
 MIN_READ = 64 << 10  # the smallest read of a payload near the budget's limit
 DIRECT_SEND = 256 << 10  # GET payloads from this size on are sent without the transport
+STAGE_FROM = 256 << 10  # tensor payloads from this size on are received into the store's pool
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_REQUEST_TIMEOUT = 30.0  # seconds a request may take to arrive, from its first byte
 MIN_RATE = 1 << 20  # bytes/s a payload, received or sent, must at least average
@@ -153,6 +155,7 @@ class _Shared:
         self.open: set[_LmProtocol] = set()
         self.min_rate = MIN_RATE
         self.kept = 0  # bytes of receive buffers connections keep between PUTs
+        self.staged = 0  # bytes of the store's pool that payloads being received hold
         self.lines = RepeatLimiter()  # one line per kind of trouble, not one per connection
         self.sweeper: asyncio.Task[None] | None = None
 
@@ -232,6 +235,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.can_write: asyncio.Event = asyncio.Event()
         self.can_write.set()
         self._kept = False  # the buffer counts in the server's kept bytes
+        self.staged: Slab | None = None  # the store's memory this PUT's payload goes into
 
     # -- transport callbacks --------------------------------------------------------------
 
@@ -253,8 +257,9 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self.direct.close()
             self.direct = None
         self._drop_buffer()
-        if self.task is None or self.task.done():  # else the task gives it back as it ends
+        if self.task is None or self.task.done():  # else the task gives them back as it ends
             self.shared.budget.release(self)
+            self._unstage()
 
     def overdue(self, now: float) -> bool:
         """Whether the request being received is late: stalled for ``request_timeout``, or
@@ -375,12 +380,17 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.transport.resume_reading()
 
     def _receive(self, req: Request) -> None:
-        """Receive ``req``'s payload into the connection's buffer, from the next byte on."""
-        if self.buffer.nbytes < req.length:
-            self._drop_buffer()
-            self.buffer = _untouched(req.length)
+        """Receive ``req``'s payload, from the next byte on, into the store's memory when it
+        gives some (``_stage``), else into the connection's buffer."""
+        self.staged = self._stage(req)
+        if self.staged is not None:
+            self.target = self.staged.view()
+        else:
+            if self.buffer.nbytes < req.length:
+                self._drop_buffer()
+                self.buffer = _untouched(req.length)
+            self.target = self.buffer[: req.length]
         self.request = req
-        self.target = self.buffer[: req.length]
         self.got = 0
         now = self._now()
         self.started = now  # the payload's pace counts from here
@@ -391,6 +401,26 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.handling = True
         self.started = None
         self.task = asyncio.get_running_loop().create_task(self._run(req, payload))
+
+    def _stage(self, req: Request) -> Slab | None:
+        """A slab of the store's pool for a large tensor payload: the put then keeps the
+        received bytes instead of copying them (``Store.reserve``; 4 MiB puts ran at about
+        half ``lmcache_server``'s speed with the copy). Payloads being received hold at most
+        the payload budget of the pool together, so declared lengths cannot take it all."""
+        if req.length < STAGE_FROM or not _is_tensor_payload(req):
+            return None
+        if self.shared.staged + req.length > self.shared.budget.limit:
+            return None
+        slab = self.shared.store.reserve(req.length)
+        if slab is not None:
+            self.shared.staged += req.length
+        return slab
+
+    def _unstage(self) -> None:
+        if self.staged is not None:
+            self.shared.staged -= self.staged.nbytes
+            self.staged.release()
+            self.staged = None
 
     async def _run(self, req: Request, payload: memoryview) -> None:
         try:
@@ -408,6 +438,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
             return
         finally:
             self.shared.budget.release(self)  # the store holds its own copy now
+            self._unstage()
             self.handling = False
             self.idle_since = self._now()
             self.served += 1
@@ -539,7 +570,8 @@ class _LmProtocol(asyncio.BufferedProtocol):
         if req.is_tombstone:
             await self._guard(store.delete(key), False)
             return
-        await self._guard(store.put(key, _payload_object(req, payload), fmt=req.fmt), None)
+        obj = _payload_object(req, payload)
+        await self._guard(store.put(key, obj, fmt=req.fmt, staged=self.staged), None)
 
     def _write(self, data: bytes | memoryview) -> None:
         assert self.transport is not None
@@ -555,23 +587,32 @@ def _untouched(nbytes: int) -> memoryview:
     return memoryview(anonymous_memory(nbytes, populate=False, huge_pages=False))[:nbytes]
 
 
+def _is_tensor_payload(req: Request) -> bool:
+    """Whether the header describes a tensor of exactly the payload's length."""
+    dtype = DTYPE_OF_CODE[req.dtype]
+    if not HAS_TORCH or dtype is None:
+        return False
+    count = 1
+    for d in strip_shape(req.shape):
+        count *= d
+    return count * ITEMSIZE[dtype] == req.length
+
+
 def _payload_object(req: Request, payload: memoryview) -> object:
     """A tensor view over ``payload`` when the header describes it, else a bytes copy."""
-    dtype = DTYPE_OF_CODE[req.dtype]
-    shape = strip_shape(req.shape)
-    if HAS_TORCH and dtype is not None:
-        count = 1
-        for d in shape:
-            count *= d
-        if count * ITEMSIZE[dtype] == req.length:
-            import torch
+    if _is_tensor_payload(req):
+        import torch
 
-            tdtype = torch_dtype(dtype)
-            if req.length == 0:
-                return torch.empty(shape, dtype=tdtype)
-            # A view, no copy: the store copies it into its own memory before put returns.
-            flat = torch.frombuffer(payload, dtype=torch.uint8)
-            return flat.view(tdtype).reshape(shape)
+        dtype = DTYPE_OF_CODE[req.dtype]
+        assert dtype is not None
+        tdtype = torch_dtype(dtype)
+        shape = strip_shape(req.shape)
+        if req.length == 0:
+            return torch.empty(shape, dtype=tdtype)
+        # A view, no copy: the store copies it into its own memory before put returns (or,
+        # received into a staged slab, keeps that memory).
+        flat = torch.frombuffer(payload, dtype=torch.uint8)
+        return flat.view(tdtype).reshape(shape)
     return bytes(payload)
 
 

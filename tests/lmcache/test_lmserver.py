@@ -20,7 +20,7 @@ from servers.lm_raw import KEY, Server, put, raw_header
 from servers.lmcache import run_lmcache_client
 from servers.proc import free_port
 
-from gateway.lmcache.server import close_lm, serve_lm
+from gateway.lmcache.server import STAGE_FROM, close_lm, serve_lm
 from gateway.lmcache.wire import (
     KVGATE_MARK,
     REPLY,
@@ -214,6 +214,35 @@ async def test_truncated_request_or_payload_then_disconnect(server: Server, cut:
     fresh = await server.connect()
     assert (await fresh.ask(Request(Command.HEALTH, "")))[0].code == Code.OK
     assert (await fresh.ask(Request(Command.EXIST, KEY)))[0].code == Code.FAIL  # nothing stored
+    await fresh.close()
+
+
+async def test_a_large_payload_cut_short_gives_the_store_its_memory_back(server: Server) -> None:
+    """A large tensor payload is received into the store's memory (``STAGE_FROM``); a client
+    that goes away mid-payload leaves nothing stored and none of that memory held."""
+    pool = server.store.pool
+    assert pool is not None
+    before = pool.used
+    size = 2 * STAGE_FROM
+    message = put(KEY, b"\x01" * size, Format.KV_2LTD, 3, (size // 2,))
+    client = await server.connect()
+    await client.send(message[: REQUEST.size + size // 3])
+    for _ in range(100):  # the server reads what was sent before it sees the close
+        if pool.used > before:
+            break
+        await asyncio.sleep(0.01)
+    assert pool.used > before  # the payload's slab, reserved from the store's pool
+    await client.close()
+    for _ in range(200):
+        if pool.used == before:
+            break
+        await asyncio.sleep(0.01)
+    assert pool.used == before
+    fresh = await server.connect()
+    assert (await fresh.ask(Request(Command.EXIST, KEY)))[0].code == Code.FAIL
+    await fresh.send(message)  # whole, on a connection of its own: stored
+    reply, body = await fresh.ask(Request(Command.GET, KEY))
+    assert (reply.code, body) == (Code.OK, b"\x01" * size)
     await fresh.close()
 
 

@@ -13,6 +13,7 @@ headers, a corrupt frame, a shape that does not match the body. The status map l
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -68,7 +69,7 @@ class BadRequest(GatewayError):
 class Body:
     """A request body in one contiguous buffer; ``release()`` returns it to the pool."""
 
-    __slots__ = ("_budget", "_held", "_slab", "array")
+    __slots__ = ("_budget", "_held", "_slab", "array", "staged")
 
     def __init__(
         self,
@@ -76,9 +77,12 @@ class Body:
         slab: Slab | None,
         budget: ByteBudget | None = None,
         held: int = 0,
+        *,
+        staged: bool = False,
     ) -> None:
         self.array = array  # uint8, exactly the body's length
         self._slab = slab
+        self.staged = staged  # ``slab`` is the store's (``Store.reserve``): put(staged=...)
         self._budget = budget  # what this body holds of the server's in-flight byte budget
         self._held = held
 
@@ -88,6 +92,11 @@ class Body:
 
     def __len__(self) -> int:
         return int(self.array.nbytes)
+
+    @property
+    def staged_slab(self) -> Slab | None:
+        """The store's slab the body was read into, for ``Store.put(staged=...)``."""
+        return self._slab if self.staged else None
 
     def release(self) -> None:
         if self._slab is not None:
@@ -112,18 +121,21 @@ async def read_body(
     limit: int,
     pool: BufferPool | None = None,
     budget: ByteBudget | None = None,
+    reserve: Callable[[int], Slab | None] | None = None,
 ) -> Body:
     """The whole body, refused with ``CapacityError`` once it is known to exceed ``limit``.
 
     With a ``budget``, the body's bytes are reserved from it before they are read (a chunked
-    body of unknown length reserves ``limit``); ``Body.release`` gives them back.
+    body of unknown length reserves ``limit``); ``Body.release`` gives them back. A body of
+    declared length is read into ``reserve``'s memory when it gives some (``Store.reserve``:
+    the put then keeps it, no copy), else into ``pool``'s, else into a fresh buffer.
     """
     declared = _declared_length(request)
     if declared is not None and declared > limit:
         raise CapacityError(f"request body of {declared} bytes exceeds the limit of {limit}")
     held = await budget.acquire(limit if declared is None else declared) if budget else 0
     try:
-        body = await _read(request, limit, declared, pool)
+        body = await _read(request, limit, declared, pool, reserve)
     except BaseException:
         if budget is not None:
             budget.release(held)
@@ -133,7 +145,11 @@ async def read_body(
 
 
 async def _read(
-    request: Request, limit: int, declared: int | None, pool: BufferPool | None
+    request: Request,
+    limit: int,
+    declared: int | None,
+    pool: BufferPool | None,
+    reserve: Callable[[int], Slab | None] | None,
 ) -> Body:
     if declared is None:  # chunked: grow, counting as it streams
         grown = bytearray()
@@ -142,9 +158,12 @@ async def _read(
                 raise CapacityError(f"request body exceeds the limit of {limit} bytes")
             grown += chunk
         return Body(np.frombuffer(grown, dtype=np.uint8), None)
-    slab = pool.alloc(declared) if pool is not None and declared else None
+    slab = reserve(declared) if reserve is not None and declared else None
+    staged = slab is not None
+    if slab is None and pool is not None and declared:
+        slab = pool.alloc(declared)
     array = np.frombuffer(slab.view(), np.uint8) if slab else np.empty(declared, np.uint8)
-    body = Body(array, slab)
+    body = Body(array, slab, staged=staged)
     try:
         dst = body.view
         n = 0

@@ -186,17 +186,26 @@ def object_router() -> APIRouter:
         media = (content_type or OCTETS).partition(";")[0].strip().lower()
         if media not in (OCTETS, FRAME_TYPE):
             raise BadRequest(f"Content-Type must be {OCTETS} or {FRAME_TYPE}, not {media!r}")
-        body: Body = await read_body(request, state.max_body, state.body_pool, state.body_budget)
+        # A plain body is read into the store's own memory where it gives some: the object is
+        # a view of it, which the put keeps (a frame is decoded into new memory: no use).
+        reserve = state.store.reserve if media == OCTETS else None
+        body: Body = await read_body(
+            request, state.max_body, state.body_pool, state.body_budget, reserve
+        )
         try:
+            staged = None
             if media == FRAME_TYPE:
                 obj, header = await frame_object(body.view, state.codecs, state.max_body, key)
                 ttl = ttl if ttl is not None else header.ttl
                 fmt = header.fmt
             else:
                 obj = object_of(body, x_kvgate_kind, x_kvgate_dtype, x_kvgate_shape)
-            await state.store.put(key, obj, fmt=fmt, ttl=ttl, durable=durable, position=position)
+                staged = body.staged_slab
+            await state.store.put(
+                key, obj, fmt=fmt, ttl=ttl, durable=durable, position=position, staged=staged
+            )
         finally:
-            body.release()  # the store copied the object before put returned
+            body.release()  # the store copied the object, or holds the staged slab itself
         return Response(status_code=204)
 
     @router.get("/v1/objects/{key:path}", response_class=Response, responses=_OBJECT_ANSWER)

@@ -171,3 +171,40 @@ async def test_body_pace_moves_its_deadline_with_each_piece_and_leaves_other_can
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+
+
+async def test_a_plain_body_is_read_into_the_stores_memory_and_given_back_if_cut_short(
+    tmp_path: Path,
+) -> None:
+    """An octet-stream PUT's body goes into the store's pool (the put keeps it, no copy); a
+    client that goes away mid-body leaves nothing stored and none of that memory held."""
+    app = create_app(store_config(tmp_path), max_body=4 * MIB, body_pool=0)
+    store = app.state.kvgate.store
+    async for url in serve(app):
+        port = int(url.rsplit(":", 1)[1])
+        pool = store.pool
+        before = pool.used
+        head = (
+            b"PUT /v1/objects/cut HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n" % (2 * MIB)
+        )
+        sock = await asyncio.to_thread(_raw_request, port, head + b"x" * MIB)
+        try:
+            for _ in range(200):
+                if pool.used > before:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.used >= before + 2 * MIB  # the body's slab, from the store's pool
+        finally:
+            sock.close()
+        for _ in range(300):
+            if pool.used == before:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.used == before
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            assert (await client.get("/v1/objects/cut")).status_code == 404
+            body = bytes(range(256)) * (8 * 1024)
+            assert (await client.put("/v1/objects/whole", content=body)).status_code == 204
+            assert (await client.get("/v1/objects/whole")).content == body
+        assert pool.used >= before + len(body)  # stored in the memory tier, once

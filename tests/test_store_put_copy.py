@@ -23,6 +23,15 @@ def _config(lower: str, *, l1: bool) -> dict[str, object]:
     return {"tiers": tiers, "staging": 64 << 20}
 
 
+async def _lower_tier_holds(lower: str, want: np.ndarray) -> None:
+    """A new store over the same lower tier reads ``want`` back from it, checksum verified."""
+    async with Store(_config(lower, l1=False)) as fresh:
+        got = await fresh.get("k")
+        assert isinstance(got, torch.Tensor)
+        np.testing.assert_array_equal(got.numpy(), want)
+        assert not any(s.errors for s in fresh.stats().values())
+
+
 @pytest.mark.parametrize("l1", [True, False])
 @pytest.mark.parametrize("size", SIZES)
 async def test_a_buffer_reused_after_put_returns_does_not_change_the_stored_object(
@@ -39,12 +48,7 @@ async def test_a_buffer_reused_after_put_returns_does_not_change_the_stored_obje
             assert isinstance(got, torch.Tensor)
             np.testing.assert_array_equal(got.numpy(), want)
         await store.flush()
-    # A new store over the same lower tier: the bytes come from it, checksum verified.
-    async with Store(_config(lower, l1=False)) as fresh:
-        got = await fresh.get("k")
-        assert isinstance(got, torch.Tensor)
-        np.testing.assert_array_equal(got.numpy(), want)
-        assert not any(s.errors for s in fresh.stats().values())
+    await _lower_tier_holds(lower, want)
 
 
 async def test_every_put_survives_the_lower_tier_and_reads_back_verified() -> None:
@@ -87,11 +91,7 @@ async def test_a_staged_put_keeps_the_reserved_memory_and_checksums_it(l1: bool,
             assert kept.ctypes.data == np.frombuffer(slab.view(), np.uint8).ctypes.data
             np.testing.assert_array_equal(kept, want)
         await store.flush()
-    async with Store(_config(lower, l1=False)) as fresh:
-        got = await fresh.get("k")
-        assert isinstance(got, torch.Tensor)
-        np.testing.assert_array_equal(got.numpy(), want)
-        assert not any(s.errors for s in fresh.stats().values())
+    await _lower_tier_holds(lower, want)
 
 
 async def test_a_staged_put_of_other_memory_is_refused_and_the_pool_gets_its_slab_back() -> None:

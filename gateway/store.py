@@ -363,7 +363,7 @@ class Store:
 
         ``staged``: a slab from ``reserve`` that ``obj``'s bytes already fill (``obj`` is a
         view of ``staged.view()``). The store keeps that memory instead of copying ``obj``;
-        the caller must not write to it once the put has started.
+        the caller must not write to it once the put has started, nor stage it again.
 
         ``position``: where the object (a KV chunk) starts in its token sequence, when known.
         It is not stored as such; codecs that use it record what they need in their frames

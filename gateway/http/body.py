@@ -13,7 +13,6 @@ headers, a corrupt frame, a shape that does not match the body. The status map l
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -47,6 +46,7 @@ from gateway.object_meta import (
 from gateway.object_meta import ObjectMeta as Meta
 from gateway.objects import HAS_TORCH, to_object
 from gateway.registry import codec_class, load_codec
+from gateway.staging_allowance import StagingAllowance
 from gateway.tiers import INLINE_CODECS, offload
 from gateway.types import BYTE_KINDS, OBJECT_KINDS, ObjectKind
 
@@ -69,7 +69,7 @@ class BadRequest(GatewayError):
 class Body:
     """A request body in one contiguous buffer; ``release()`` returns it to the pool."""
 
-    __slots__ = ("_budget", "_held", "_slab", "array", "staged")
+    __slots__ = ("_budget", "_held", "_slab", "_staging", "array")
 
     def __init__(
         self,
@@ -78,11 +78,11 @@ class Body:
         budget: ByteBudget | None = None,
         held: int = 0,
         *,
-        staged: bool = False,
+        staging: StagingAllowance | None = None,
     ) -> None:
         self.array = array  # uint8, exactly the body's length
         self._slab = slab
-        self.staged = staged  # ``slab`` is the store's (``Store.reserve``): put(staged=...)
+        self._staging = staging  # set when ``slab`` is the store's: put(staged=...)
         self._budget = budget  # what this body holds of the server's in-flight byte budget
         self._held = held
 
@@ -96,11 +96,14 @@ class Body:
     @property
     def staged_slab(self) -> Slab | None:
         """The store's slab the body was read into, for ``Store.put(staged=...)``."""
-        return self._slab if self.staged else None
+        return self._slab if self._staging is not None else None
 
     def release(self) -> None:
         if self._slab is not None:
-            self._slab.release()
+            if self._staging is not None:
+                self._staging.give_back(self._slab)
+            else:
+                self._slab.release()
             self._slab = None
         if self._budget is not None:
             self._budget.release(self._held)
@@ -121,21 +124,22 @@ async def read_body(
     limit: int,
     pool: BufferPool | None = None,
     budget: ByteBudget | None = None,
-    reserve: Callable[[int], Slab | None] | None = None,
+    staging: StagingAllowance | None = None,
 ) -> Body:
     """The whole body, refused with ``CapacityError`` once it is known to exceed ``limit``.
 
     With a ``budget``, the body's bytes are reserved from it before they are read (a chunked
     body of unknown length reserves ``limit``); ``Body.release`` gives them back. A body of
-    declared length is read into ``reserve``'s memory when it gives some (``Store.reserve``:
-    the put then keeps it, no copy), else into ``pool``'s, else into a fresh buffer.
+    declared length is read into the store's memory when ``staging`` gives some
+    (``Store.reserve``: the put then keeps it, no copy), else into ``pool``'s, else into a
+    fresh buffer.
     """
     declared = _declared_length(request)
     if declared is not None and declared > limit:
         raise CapacityError(f"request body of {declared} bytes exceeds the limit of {limit}")
     held = await budget.acquire(limit if declared is None else declared) if budget else 0
     try:
-        body = await _read(request, limit, declared, pool, reserve)
+        body = await _read(request, limit, declared, pool, staging)
     except BaseException:
         if budget is not None:
             budget.release(held)
@@ -149,7 +153,7 @@ async def _read(
     limit: int,
     declared: int | None,
     pool: BufferPool | None,
-    reserve: Callable[[int], Slab | None] | None,
+    staging: StagingAllowance | None,
 ) -> Body:
     if declared is None:  # chunked: grow, counting as it streams
         grown = bytearray()
@@ -158,12 +162,12 @@ async def _read(
                 raise CapacityError(f"request body exceeds the limit of {limit} bytes")
             grown += chunk
         return Body(np.frombuffer(grown, dtype=np.uint8), None)
-    slab = reserve(declared) if reserve is not None and declared else None
-    staged = slab is not None
+    slab = staging.reserve(declared) if staging is not None and declared else None
+    from_store = staging if slab is not None else None
     if slab is None and pool is not None and declared:
         slab = pool.alloc(declared)
     array = np.frombuffer(slab.view(), np.uint8) if slab else np.empty(declared, np.uint8)
-    body = Body(array, slab, staged=staged)
+    body = Body(array, slab, staging=from_store)
     try:
         dst = body.view
         n = 0

@@ -188,9 +188,9 @@ def object_router() -> APIRouter:
             raise BadRequest(f"Content-Type must be {OCTETS} or {FRAME_TYPE}, not {media!r}")
         # A plain body is read into the store's own memory where it gives some: the object is
         # a view of it, which the put keeps (a frame is decoded into new memory: no use).
-        reserve = state.store.reserve if media == OCTETS else None
+        staging = state.staging if media == OCTETS else None
         body: Body = await read_body(
-            request, state.max_body, state.body_pool, state.body_budget, reserve
+            request, state.max_body, state.body_pool, state.body_budget, staging
         )
         try:
             staged = None

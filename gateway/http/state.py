@@ -16,6 +16,7 @@ from gateway.http.body import Codecs
 from gateway.http.byte_budget import ByteBudget
 from gateway.listing import KeyListings
 from gateway.memory import BufferPool
+from gateway.staging_allowance import StagingAllowance
 from gateway.store import Store
 
 DEFAULT_MAX_BODY = 1 << 30
@@ -36,9 +37,12 @@ class ServiceState:
     codecs: Codecs = field(default_factory=Codecs)
     ready: bool = False
     listings: KeyListings = field(init=False)  # GET /v1/keys: the pages' snapshots
+    # Plain bodies read into the store's pool (the put keeps them), bounded together.
+    staging: StagingAllowance = field(init=False)
 
     def __post_init__(self) -> None:
         self.listings = KeyListings(self.store)
+        self.staging = StagingAllowance(self.store)
 
 
 def state_of(request: Request) -> ServiceState:

@@ -21,8 +21,12 @@ What a client's numbers cannot do (the protocol has no authentication: see ``ser
 - make the server allocate: a PUT's payload buffer is a mapping of untouched pages that become
   memory only as the bytes arrive, and the bytes received and not yet stored are charged, as
   they arrive, to one server-wide ``ArrivalBudget`` (``payload_budget``): past it a connection
-  stops reading until stored payloads give bytes back. Declared lengths cost nothing, real ones
-  are bounded together; buffers kept between PUTs are bounded together too;
+  stops reading until stored payloads give bytes back. Declared lengths cost no new memory,
+  real ones are bounded together; buffers kept between PUTs are bounded together too. A large
+  tensor payload is received straight into the store's pool (the put keeps it: no copy), which
+  is taken when its length is declared; what all payloads hold that way is bounded to an
+  eighth of the pool (``StagingAllowance``), so a stalled declaration can make the memory tier
+  evict at most that much, never the room other puts need;
 - hold a connection: a request must never stall for ``request_timeout`` seconds and, after
   that long, must average ``min_rate`` bytes a second (so a trickle is closed long before its
   end); a reply must be taken as fast; past that the connection is closed;
@@ -79,6 +83,7 @@ from gateway.lmcache.wire import (
 from gateway.log_limit import RepeatLimiter
 from gateway.memory import Slab
 from gateway.objects import HAS_TORCH, ITEMSIZE, ObjectMeta, torch_dtype
+from gateway.staging_allowance import StagingAllowance
 from gateway.store import Store
 from gateway.transport import stream_transport
 
@@ -155,7 +160,8 @@ class _Shared:
         self.open: set[_LmProtocol] = set()
         self.min_rate = MIN_RATE
         self.kept = 0  # bytes of receive buffers connections keep between PUTs
-        self.staged = 0  # bytes of the store's pool that payloads being received hold
+        # Payloads being received into the store's pool, bounded (``StagingAllowance``).
+        self.staging = StagingAllowance(store, budget.limit)
         self.lines = RepeatLimiter()  # one line per kind of trouble, not one per connection
         self.sweeper: asyncio.Task[None] | None = None
 
@@ -257,9 +263,10 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self.direct.close()
             self.direct = None
         self._drop_buffer()
-        if self.task is None or self.task.done():  # else the task gives them back as it ends
-            self.shared.budget.release(self)
-            self._unstage()
+        if self.task is None or self.task.done():
+            self._give_back()
+        else:  # the task gives them back as it ends; so does this, should it never start
+            self.task.add_done_callback(lambda _: self._give_back())
 
     def overdue(self, now: float) -> bool:
         """Whether the request being received is late: stalled for ``request_timeout``, or
@@ -403,23 +410,22 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.task = asyncio.get_running_loop().create_task(self._run(req, payload))
 
     def _stage(self, req: Request) -> Slab | None:
-        """A slab of the store's pool for a large tensor payload: the put then keeps the
-        received bytes instead of copying them (``Store.reserve``; 4 MiB puts ran at about
-        half ``lmcache_server``'s speed with the copy). Payloads being received hold at most
-        the payload budget of the pool together, so declared lengths cannot take it all."""
-        if req.length < STAGE_FROM or not _is_tensor_payload(req):
+        """A slab of the store's pool for a large tensor payload under a valid key: the put
+        then keeps the received bytes instead of copying them (``Store.reserve``; 4 MiB puts
+        ran at about half ``lmcache_server``'s speed with the copy). What all payloads being
+        received hold that way is bounded (``StagingAllowance``)."""
+        if req.length < STAGE_FROM or not _is_tensor_payload(req) or not _valid_key(req.key):
             return None
-        if self.shared.staged + req.length > self.shared.budget.limit:
-            return None
-        slab = self.shared.store.reserve(req.length)
-        if slab is not None:
-            self.shared.staged += req.length
-        return slab
+        return self.shared.staging.reserve(req.length)
+
+    def _give_back(self) -> None:
+        """Budget bytes and the staged slab back (idempotent)."""
+        self.shared.budget.release(self)
+        self._unstage()
 
     def _unstage(self) -> None:
         if self.staged is not None:
-            self.shared.staged -= self.staged.nbytes
-            self.staged.release()
+            self.shared.staging.give_back(self.staged)
             self.staged = None
 
     async def _run(self, req: Request, payload: memoryview) -> None:
@@ -585,6 +591,14 @@ def _untouched(nbytes: int) -> memoryview:
     if nbytes < MAP_FROM:
         return memoryview(bytearray(nbytes))
     return memoryview(anonymous_memory(nbytes, populate=False, huge_pages=False))[:nbytes]
+
+
+def _valid_key(text: str) -> bool:
+    try:
+        Key.parse(text)
+    except InvalidKey:
+        return False
+    return True
 
 
 def _is_tensor_payload(req: Request) -> bool:

@@ -246,6 +246,34 @@ async def test_a_large_payload_cut_short_gives_the_store_its_memory_back(server:
     await fresh.close()
 
 
+async def test_stalled_declarations_cost_the_cache_at_most_an_eighth(server: Server) -> None:
+    """Payloads are received into the store's pool from their declaration on, but all of them
+    together hold at most an eighth of it (``StagingAllowance``): headers that declare large
+    tensors and then stall make the memory tier evict at most that much."""
+    store = server.store
+    pool = store.pool
+    assert pool is not None
+    chunk = 1 << 20
+    cached = [f"llama@1@0@{i:x}@bfloat16" for i in range(62)]  # 62 of the 64 MiB memory tier
+    for key in cached:
+        await store.put(key, np.full(chunk, 7, np.uint8))
+    before = pool.used
+    size = 4 << 20
+    clients = []
+    for i in range(4):  # 16 MiB declared, 8 MiB (an eighth of 64) may be staged
+        client = await server.connect()
+        key = f"llama@1@0@{0xFF00 + i:x}@bfloat16"
+        await client.send(
+            encode_request(Request(Command.PUT, key, size, 1, 3, (size // 2, 0, 0, 0)))
+        )
+        clients.append(client)
+    await asyncio.sleep(0.2)
+    assert pool.used - before <= pool.capacity // 8
+    assert sum([await store.contains(k) for k in cached]) >= 62 - 8
+    for client in clients:
+        await client.close()
+
+
 async def test_half_closed_client_never_hangs(server: Server) -> None:
     """A client that sends half a header and waits gets its connection closed at EOF."""
     client = await server.connect()

@@ -5,10 +5,10 @@ A server that receives an object into the store's own memory (``Store.reserve``,
 declared, not as the bytes come: the memory tier may evict to make room. A client that
 declares large uploads and then stalls would make the cache evict that much and hold it until
 the server's pace limits close the connection. ``StagingAllowance`` bounds what all uploads
-of one server hold that way together (an eighth of the pool by default) and the size of one
-upload that may stage; past either, the server receives into its own buffers and the put
-copies, as before. So a stalled declaration costs the cache at most that share, never the
-room that other puts need.
+of one server hold that way together (an eighth of the pool, or the server's own cap when
+lower); past it, the server receives into its own buffers and the put copies, as before. So
+a stalled declaration costs the cache at most that share, never the room that other puts
+need.
 """
 
 from __future__ import annotations

@@ -381,6 +381,8 @@ class Store:
         k = normalize_key(key)
         durable = durable or self.config.write_policy == "through"
         data = to_object_data(obj, fmt)
+        if staged is not None:
+            _check_staged(staged, data)
         data.position = _check_position(position)
         ttl = check_ttl(ttl)
         nbytes = data.meta.nbytes
@@ -396,7 +398,7 @@ class Store:
                 # every tier holds the object, so the tiers are written from it (no copy).
                 await self._put_from_caller(k, data, expires_at)
                 return
-            slab = _staged_slab(staged, data) if staged is not None else await self._alloc(nbytes)
+            slab = staged.acquire() if staged is not None else await self._alloc(nbytes)
             if slab is None:
                 await self._put_direct(k, data, expires_at, durable=durable)
                 return
@@ -406,7 +408,7 @@ class Store:
                 # ~0.25 of 1.0-1.3 ms of loop time per 1 MiB put to Redis).
                 below = PUT_COPY_OFFLOAD_BYTES if self.writers else OFFLOAD_BYTES
                 device = not data.on_host
-                if staged is not None:  # the bytes are in the slab already: hash them there
+                if staged is not None:  # the bytes are in the slab already: no copy
                     if self._hash_on_copy:
                         data.checksum = await offload(
                             nbytes, xxhash.xxh3_64_intdigest, slab.view(), inline_below=below
@@ -783,14 +785,13 @@ class Store:
         return [*([self.l1.name] if self.l1 else []), *(t.name for t in self.tiers)]
 
 
-def _staged_slab(staged: Slab, data: ObjectData) -> Slab:
-    """The put's own reference to ``staged``, once ``data`` is checked to be its bytes."""
+def _check_staged(staged: Slab, data: ObjectData) -> None:
+    """``data`` must be ``staged``'s bytes (every path of a put, whether it uses them or not)."""
     if not data.host_ready or staged.nbytes != data.meta.nbytes:
         raise InvalidObject("a staged put's object must be the staged slab's bytes")
     host = data.host()
     if host.nbytes and _address(host) != _address(staged.view()):
         raise InvalidObject("a staged put's object must be the staged slab's bytes")
-    return staged.acquire()
 
 
 def _address(view: memoryview) -> int:

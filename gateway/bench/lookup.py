@@ -26,18 +26,17 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gateway.bench.lookup_baselines import LookupBaseline
+from gateway.bench.lookup_baselines import LookupBaseline, Timed
 from gateway.store import Store
 
 DEFAULT_LENGTHS = (16, 64, 256, 1024, 4096)
 DEFAULT_STACKS = ("memory", "memory,file", "memory,redis", "memory,file,redis")
 VALUE = b"k" * 64  # the objects' payload: lookup never reads it
-Timed = Callable[[], Awaitable[object]]
 
 
 @dataclass

@@ -443,8 +443,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self._close("internal error")
             return
         finally:
-            self.shared.budget.release(self)  # the store holds its own copy now
-            self._unstage()
+            self._give_back()  # the store holds its own copy (or the staged slab) now
             self.handling = False
             self.idle_since = self._now()
             self.served += 1

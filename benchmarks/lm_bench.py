@@ -163,12 +163,14 @@ async def _run_client(port: int, args: argparse.Namespace) -> dict[str, float]:
 
 
 def _server_env(config: Path | None, data_dir: Path) -> dict[str, str]:
-    """kvgate's environment without the settings that would change its tiers: no KVGATE_* and
-    no LMCACHE_* (LMCache's variables would be read as its config), the data in ``data_dir``."""
+    """kvgate's environment without the settings that would change its tiers: no KVGATE_* but
+    the kernels and malloc choices, and no LMCACHE_* (LMCache's variables would be read as its
+    config), the data in ``data_dir``."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("KVGATE_", "LMCACHE_")) or k == "KVGATE_KERNELS"
+        if not k.startswith(("KVGATE_", "LMCACHE_"))
+        or k in ("KVGATE_KERNELS", "KVGATE_MALLOC_THRESHOLDS")
     }
     env["KVGATE_DATA_DIR"] = str(data_dir)
     if config is not None:

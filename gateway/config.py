@@ -532,7 +532,14 @@ _ENV_PREFIX = "KVGATE_"
 # Read elsewhere, not by the config: KVGATE_KERNELS by gpu/dispatch.py (which kernels run),
 # KVGATE_TOKEN by `kvgate serve` and the CLI (a bearer token), KVGATE_URL by the CLI.
 _NON_FIELD_ENV = frozenset(
-    {"KVGATE_CONFIG", "KVGATE_DATA_DIR", "KVGATE_KERNELS", "KVGATE_TOKEN", "KVGATE_URL"}
+    {
+        "KVGATE_CONFIG",
+        "KVGATE_DATA_DIR",
+        "KVGATE_KERNELS",
+        "KVGATE_MALLOC_THRESHOLDS",  # read by the kvgate command (gateway.malloc_thresholds)
+        "KVGATE_TOKEN",
+        "KVGATE_URL",
+    }
 )
 _NULLS = frozenset({"", "null", "none"})
 

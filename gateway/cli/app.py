@@ -13,6 +13,7 @@ from gateway.cli.bench import register as register_bench
 from gateway.cli.calibrate import register as register_calibrate
 from gateway.cli.objects import register as register_object_commands
 from gateway.cli.serve import register as register_serve
+from gateway.malloc_thresholds import steady_malloc_thresholds
 from gateway.registry import codec_status, connector_status
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvgate: KV-cache gateway")
@@ -59,6 +60,8 @@ register_calibrate(app)
 
 
 def main() -> None:
+    # Before any command allocates: see gateway.malloc_thresholds for why.
+    steady_malloc_thresholds()
     app()
 
 

@@ -574,6 +574,17 @@ class Store:
         found = await self._fetch_shared(k)
         return None if found is None else ObjectData(found.meta, found.stored_bytes())
 
+    def stored_in_memory(self, key: KeyLike) -> ObjectData | None:
+        """What ``get_stored`` answers when the memory tier holds ``key`` (a lease on its
+        copy), else None, without awaiting: for a server answering from a protocol callback.
+        None too before the store is open, after it closed, and without a memory tier."""
+        if self.l1 is None or not self._opened or self._closed:
+            return None
+        entry = self.l1.lookup(normalize_key(key))
+        if entry is None:
+            return None
+        return ObjectData(entry.meta, entry.slab.lease(entry.offset, entry.meta.nbytes))
+
     async def get_many(self, keys: Sequence[KeyLike]) -> list[object | None]:
         return list(await asyncio.gather(*(self.get(k) for k in keys)))
 

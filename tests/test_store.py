@@ -439,3 +439,22 @@ async def test_cancelled_put_leaks_no_memory() -> None:
             await store.delete(k)
         gc.collect()
         assert store.pool.used == 0
+
+
+async def test_stored_in_memory_answers_only_what_the_memory_tier_holds() -> None:
+    lower = f"memory://{uuid.uuid4().hex}"
+    config = {"tiers": [{"url": "memory://", "capacity": 16 << 20}, {"url": lower}]}
+    store = Store(config)
+    assert store.stored_in_memory("k") is None  # not open yet
+    async with store:
+        await store.put("k", b"held in memory")
+        await store.flush()
+        found = store.stored_in_memory("k")
+        assert found is not None
+        assert bytes(found.host()) == b"held in memory"
+        assert found.meta == (await store.get_stored("k")).meta  # type: ignore[union-attr]
+        assert store.stored_in_memory("absent") is None
+    assert store.stored_in_memory("k") is None  # closed
+    async with Store({"tiers": [{"url": lower}]}) as no_memory_tier:
+        assert await no_memory_tier.get_stored("k") is not None  # the lower tier holds it
+        assert no_memory_tier.stored_in_memory("k") is None

@@ -336,6 +336,26 @@ async def test_large_get_is_sent_whole(server: Server) -> None:
     await client.close()
 
 
+async def test_pipelined_large_gets_come_whole_and_in_order(server: Server) -> None:
+    """GETs the memory tier answers go out from the protocol callback; a reply the socket
+    does not take at once is finished by a task, and the next GET waits for it."""
+    rng = np.random.default_rng(7)
+    payloads = [rng.integers(0, 256, 6 << 20, dtype=np.uint8).tobytes() for _ in range(2)]
+    keys = [f"m@1@0@{i + 1:x}@uint8" for i in range(2)]
+    client = await server.connect()
+    for key, payload in zip(keys, payloads, strict=True):
+        await client.send(put(key, payload, Format.KV_2LTD, 6, (2, 3 << 18, 4)))
+        assert (await client.ask(Request(Command.EXIST, key)))[0].code == Code.OK
+    order = [0, 1, 1, 0, 0]
+    await client.send(b"".join(encode_request(Request(Command.GET, keys[i])) for i in order))
+    await asyncio.sleep(0.2)  # the client reads late: the first reply fills the socket
+    for i in order:
+        reply, body = await client.reply()
+        assert reply.code == Code.OK
+        assert body == payloads[i]
+    await client.close()
+
+
 def _get_like_lmcaches_client(port: int, key: str) -> tuple[int, bytes, bytes]:
     """A GET the way LMCache's client does it: a blocking socket, the reply header taken with
     one ``recv(36)`` (it does not loop), then the payload with ``recv_into``."""

@@ -295,33 +295,65 @@ def _pwrite_all(fd: int, view: memoryview, offset: int, stop: threading.Event) -
 def write_direct(
     fd: int, lead: Sequence[memoryview], body: memoryview, stop: threading.Event
 ) -> None:
-    """Write ``lead`` then ``body`` to ``fd``, opened with O_DIRECT, and cut the file to their
-    exact length.
+    """Write ``lead`` then ``body`` to ``fd``, a new file opened with O_DIRECT, exactly
+    ``lead`` + ``body`` bytes long in the end.
 
     ``lead`` (the head, its pad and any data parts before the last) is a DIO_ALIGN multiple
     long, and ``body`` starts at an aligned address: body's whole blocks go to the disk straight
-    from its memory. The lead and body's last partial block go through a small page-aligned
-    bounce buffer, zero-padded to a block; the truncate drops that padding.
+    from its memory, with the lead in the same call (``pwritev``). The lead and body's last
+    partial block go through a page-aligned bounce buffer that each thread keeps, zero-padded
+    to a block; a truncate then drops that padding (without a partial block, the new file is
+    already as long as what was written). At 1 MiB a record, a write, an ``mmap`` and a
+    truncate less per record: see ``BOUNCE`` below.
     """
     lead_len = sum(p.nbytes for p in lead)
     if lead_len % DIO_ALIGN or not is_aligned(body):
         raise ValueError("write_direct needs an aligned lead length and body address")
     full = body.nbytes - body.nbytes % DIO_ALIGN
     tail = body.nbytes - full
-    # Page-aligned and zero-filled; freed with its last view (not closed here: on an error,
-    # the traceback still holds views of it).
-    bounce = memoryview(mmap.mmap(-1, lead_len + DIO_ALIGN))
+    bounce = _bounce(lead_len + DIO_ALIGN)
     pos = 0
     for part in lead:
         bounce[pos : pos + part.nbytes] = part
         pos += part.nbytes
-    _pwrite_all(fd, bounce[:lead_len], 0, stop)
-    _pwrite_all(fd, body[:full], lead_len, stop)
+    first = min(full, CHUNK)
+    if stop.is_set():
+        raise Stopped
+    pieces = [bounce[:lead_len], body[:first]] if first else [bounce[:lead_len]]
+    written = os.pwritev(fd, pieces, 0)
+    if written < lead_len + first:  # the rest would start off a block boundary: EINVAL
+        raise OSError(errno.ENOSPC, f"O_DIRECT wrote {written} of {lead_len + first} bytes")
+    _pwrite_all(fd, body[first:full], lead_len + first, stop)
     if tail:
         bounce[:tail] = body[full:]
         bounce[tail:DIO_ALIGN] = bytes(DIO_ALIGN - tail)
         _pwrite_all(fd, bounce[:DIO_ALIGN], lead_len + full, stop)
-    os.ftruncate(fd, lead_len + body.nbytes)
+        os.ftruncate(fd, lead_len + body.nbytes)
+
+
+class _Bounce(threading.local):
+    buffer: memoryview | None = None
+
+
+BOUNCE = _Bounce()
+KEEP_BOUNCE = 1 << 20
+"""Each writing thread's bounce buffer for ``write_direct``, kept between records: a new
+mapping per record cost an ``mmap``, a ``munmap`` and a page fault each time (the disk tier
+wrote 1 MiB records at 0.45x raw O_DIRECT writes, with 16 system calls a record)."""
+
+
+def _bounce(nbytes: int) -> memoryview:
+    """A page-aligned bounce buffer at least ``nbytes`` long: this thread's, kept between
+    records when it is at most ``KEEP_BOUNCE`` (a lead with data parts before the last can be
+    far larger, and is not kept). Never closed: an error's traceback may still hold views."""
+    buffer = BOUNCE.buffer
+    if buffer is not None and buffer.nbytes >= nbytes:
+        return buffer
+    size = -(-max(nbytes, 64 << 10) // mmap.PAGESIZE) * mmap.PAGESIZE
+    buffer = memoryview(mmap.mmap(-1, size))
+    if size <= KEEP_BOUNCE:
+        BOUNCE.buffer = buffer
+    return buffer
 
 
 class DirectReader:

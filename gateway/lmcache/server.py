@@ -417,8 +417,8 @@ class _LmProtocol(asyncio.BufferedProtocol):
 
     def _answer_from_memory(self, req: Request) -> bool:
         """Answer a GET that the memory tier holds from this callback: no task and no
-        coroutines per request, which cost about a third of a 1 MiB GET's time in the server
-        (py-spy, 1 MiB GETs in a loop). A reply the socket does not take whole is finished by
+        coroutines per request, which with the rest of the Python around the send took about
+        40% of the server's busy time (py-spy, 1 MiB GETs in a loop). A reply the socket does not take whole is finished by
         a task. False leaves the GET to the handler task: an invalid key, a miss here (a lower
         tier may hold it), earlier replies not yet taken."""
         transport = self.transport

@@ -21,7 +21,8 @@ its own mappings and do not count.
 ``kvgate`` commands call ``steady_malloc_thresholds`` at start (``gateway.cli.app``). A program
 that embeds a Store may call it too. It changes nothing where the user set glibc's thresholds
 (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``), where
-``KVGATE_MALLOC_THRESHOLDS=glibc``, or on another C library.
+``KVGATE_MALLOC_THRESHOLDS`` is ``glibc`` (or ``off``, ``0``, ``false``, ``no``), or on another
+C library.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ _M_MMAP_THRESHOLD = -3
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 _TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
 OPT_OUT = "KVGATE_MALLOC_THRESHOLDS"
+_LEAVE = frozenset({"glibc", "off", "0", "false", "no"})  # values of OPT_OUT that opt out
 
 
 def user_chose_thresholds(env: Mapping[str, str]) -> bool:
     """Whether ``env`` sets glibc's thresholds itself, or asks kvgate to leave them."""
-    if env.get(OPT_OUT, "").strip().lower() == "glibc":
+    if env.get(OPT_OUT, "").strip().lower() in _LEAVE:
         return True
     if any(name in env for name in _USER_SETTINGS):
         return True

@@ -577,10 +577,15 @@ class Store:
     def stored_in_memory(self, key: KeyLike) -> ObjectData | None:
         """What ``get_stored`` answers when the memory tier holds ``key`` (a lease on its
         copy), else None, without awaiting: for a server answering from a protocol callback.
-        None too before the store is open, after it closed, and without a memory tier."""
+        None too before the store is open, after it closed, and without a memory tier. A hit
+        counts in the memory tier's stats; a None counts nothing, since the caller then asks
+        ``get_stored``, which counts the miss."""
         if self.l1 is None or not self._opened or self._closed:
             return None
-        entry = self.l1.lookup(normalize_key(key))
+        k = normalize_key(key)
+        if k not in self.l1:
+            return None
+        entry = self.l1.lookup(k)
         if entry is None:
             return None
         return ObjectData(entry.meta, entry.slab.lease(entry.offset, entry.meta.nbytes))

@@ -70,6 +70,7 @@ def test_a_users_own_setting_wins() -> None:
     [
         ({}, False),
         ({"KVGATE_MALLOC_THRESHOLDS": "glibc"}, True),
+        ({"KVGATE_MALLOC_THRESHOLDS": "off"}, True),
         ({"KVGATE_MALLOC_THRESHOLDS": "kvgate"}, False),
         ({"MALLOC_MMAP_THRESHOLD_": "1048576"}, True),
         ({"MALLOC_TRIM_THRESHOLD_": "0"}, True),

@@ -300,11 +300,11 @@ def write_direct(
 
     ``lead`` (the head, its pad and any data parts before the last) is a DIO_ALIGN multiple
     long, and ``body`` starts at an aligned address: body's whole blocks go to the disk straight
-    from its memory, with the lead in the same call (``pwritev``). The lead and body's last
-    partial block go through a page-aligned bounce buffer that each thread keeps, zero-padded
-    to a block; a truncate then drops that padding (without a partial block, the new file is
-    already as long as what was written). At 1 MiB a record, a write, an ``mmap`` and a
-    truncate less per record: see ``BOUNCE`` below.
+    from its memory, the first CHUNK of them in one call with the lead (``pwritev``). The lead
+    and body's last partial block go through a page-aligned bounce buffer that each thread
+    keeps, zero-padded to a block; a truncate then drops that padding (without a partial
+    block, the new file is already as long as what was written). At 1 MiB a record, that is a
+    write, an ``mmap`` and a truncate less per record: see ``BOUNCE`` below.
     """
     lead_len = sum(p.nbytes for p in lead)
     if lead_len % DIO_ALIGN or not is_aligned(body):

@@ -358,6 +358,13 @@ class _LmProtocol(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
+    def _abort(self, why: str) -> None:
+        """Close without sending what the transport still holds (to a client that does not
+        read, it would never go)."""
+        log.debug("lm:// aborting a connection: %s", why)
+        if self.transport is not None:
+            self.transport.abort()
+
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
@@ -418,32 +425,49 @@ class _LmProtocol(asyncio.BufferedProtocol):
     def _answer_from_memory(self, req: Request) -> bool:
         """Answer a GET that the memory tier holds from this callback: no task and no
         coroutines per request, which with the rest of the Python around the send took about
-        40% of the server's busy time (py-spy, 1 MiB GETs in a loop). A reply the socket does not take whole is finished by
-        a task. False leaves the GET to the handler task: an invalid key, a miss here (a lower
-        tier may hold it), earlier replies not yet taken."""
+        40% of the server's busy time (py-spy, 1 MiB GETs in a loop). A reply that the socket
+        or the transport does not take at once is finished by a task, within the time a reply
+        may take, as on the task's own path. False leaves the GET to the handler task: an
+        invalid key, a key the memory tier does not hold (a lower tier may), earlier replies
+        not yet taken, no duplicate socket to be had."""
         transport = self.transport
         if transport is None or transport.is_closing() or not self.can_write.is_set():
             return False
         key = _canonical_key(req.key)
         if key is None:
             return False
+        try:
+            return self._send_from_memory(transport, key)
+        except Exception:  # a bug here must cost one connection, never the server
+            log.exception("lm:// GET from memory failed; closing its connection")
+            self._close("internal error")
+            return True
+
+    def _send_from_memory(self, transport: asyncio.Transport, key: str) -> bool:
         data = self.shared.store.stored_in_memory(key)
         if data is None:
             return False
         reply = _reply_for(data.meta)
-        if reply is None:
-            return False
+        if reply is None:  # what the handler task would answer too, from the same copy
+            log.warning("lm:// GET %s: %d bytes do not fit lm://", key, data.meta.nbytes)
+            transport.write(encode_reply(MISS))
+            self._served_or_draining(0)
+            return True
         header = encode_reply(reply)
         view = data.host()
         if view.nbytes < DIRECT_SEND:
             transport.writelines((header, view))
-            self._served()
+            self._served_or_draining(view.nbytes)
             return True
         try:
-            sent = self._direct_socket().sendmsg((header, view))
+            sock = self._direct_socket()
+        except OSError:
+            return False  # the handler task tries again and reports what fails
+        try:
+            sent = sock.sendmsg((header, view))
         except (BlockingIOError, InterruptedError):
             sent = 0
-        except OSError:  # the client went away: only its loss
+        except ConnectionError:  # the client went away: only its loss
             self._close("client gone while sending a reply")
             return True
         if sent == len(header) + view.nbytes:
@@ -451,6 +475,15 @@ class _LmProtocol(asyncio.BufferedProtocol):
             return True
         self._begin(lambda: self._send_within_limit(header, view, sent))
         return True
+
+    def _served_or_draining(self, nbytes: int) -> None:
+        """After a reply went to the transport: served, or, when the transport keeps part of
+        it, a task waits until it is sent (within the time a reply of ``nbytes`` may take) and
+        no request is read meanwhile."""
+        if self.can_write.is_set():
+            self._served()
+            return
+        self._begin(lambda: self._within_reply_limit(nbytes, self.can_write.wait))
 
     def _served(self) -> None:
         """A request answered without a task: ready for the next one."""
@@ -486,7 +519,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
             await work()
         except TimeoutError:
             self.shared.note("slow reader", "closed a connection that did not take its reply")
-            self._close("replies not taken in time")
+            self._abort("replies not taken in time")
             return
         except Exception:  # a bug here must cost one connection, never the server
             log.exception("lm:// request failed; closing its connection")
@@ -559,15 +592,20 @@ class _LmProtocol(asyncio.BufferedProtocol):
         await self._send_within_limit(encode_reply(reply), data.host())
 
     async def _send_within_limit(self, reply: bytes, view: memoryview, sent: int = 0) -> None:
-        """``_send``, from byte ``sent`` of the reply on, within the time a reply may take: a
-        client that does not read loses its turn (and its connection)."""
-        limit = self.shared.request_timeout + view.nbytes / self.shared.min_rate
+        """``_send``, from byte ``sent`` of the reply on, within the time a reply may take."""
+        await self._within_reply_limit(view.nbytes, lambda: self._send(reply, view, sent))
+
+    async def _within_reply_limit(self, nbytes: int, work: Callable[[], Awaitable[object]]) -> None:
+        """``work()`` within the time a reply of ``nbytes`` may take: a client that does not
+        read loses its turn and its connection (aborted: a close would wait to send it the
+        rest, and what is buffered holds a lease on the cache)."""
+        limit = self.shared.request_timeout + nbytes / self.shared.min_rate
         try:
             async with asyncio.timeout(limit):
-                await self._send(reply, view, sent)
+                await work()
         except TimeoutError:
             self.shared.note("slow reader", "closed a connection that did not take its reply")
-            self._close("reply not taken in time")
+            self._abort("reply not taken in time")
 
     async def _send(self, reply: bytes, view: memoryview, sent: int = 0) -> None:
         """The reply header and its payload, in one write where the socket takes it; from
@@ -608,7 +646,9 @@ class _LmProtocol(asyncio.BufferedProtocol):
         Python 3.11's transport copies whatever the socket does not take at once into its own
         buffer (a 32 MiB chunk costs a fresh 30 MiB copy); ``loop.sock_sendall`` sends from
         the caller's memory. The duplicate is used only while the transport has nothing
-        buffered and reading is paused, so bytes never interleave.
+        buffered, from a task while reading is paused or in one call from the protocol's
+        callback (which pauses reading before it returns when the call did not send it all),
+        so bytes never interleave.
         """
         if self.direct is None:
             assert self.transport is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -152,6 +153,39 @@ async def test_a_reply_that_is_never_read_closes_the_connection() -> None:
         got = await greedy.drained_until_closed()
         assert got < 4 * 32 * MiB  # closed before it sent all it was asked for
         await greedy.close()
+
+
+async def test_small_replies_never_read_cost_the_connection_and_give_the_cache_back() -> None:
+    """Replies under the direct-send size go through the transport: when the client stops
+    reading, what the transport keeps holds a lease on the cache, so the connection is cut
+    at the reply's deadline and the lease given back, even with no further request."""
+    async with serving(request_timeout=0.5, min_rate=64 * MiB) as server:
+        assert server.store.pool is not None
+        payload = bytes(200 << 10)
+        await round_trip(server, KEY, payload)
+        greedy = await server.connect()
+        sock = greedy.writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await greedy.send(b"".join(raw_header(Command.GET, 0) for _ in range(64)))  # 12.5 MiB
+        await asyncio.sleep(0.5 + 1.0)  # past the deadline of the reply it stopped reading
+        await server.store.delete(KEY)
+        assert server.store.pool.used == 0  # no lease left on the deleted object's memory
+        got = await greedy.drained_until_closed()
+        assert got < 64 * len(payload)
+        await greedy.close()
+        assert await healthy(server) < IO_LIMIT
+
+
+async def test_a_get_counts_once_in_the_memory_tiers_stats() -> None:
+    async with serving() as server:
+        await round_trip(server, KEY, b"x" * 1000)  # a hit
+        client = await server.connect()
+        other = "llama@1@0@def456@bfloat16"
+        reply, _ = await client.ask(Request(Command.GET, other))  # a miss
+        assert reply.code == Code.FAIL
+        await client.close()
+        stats = server.store.stats()["memory"]
+        assert (stats.hits, stats.misses) == (1, 1)
 
 
 async def test_an_idle_flood_does_not_lock_new_clients_out(

@@ -552,7 +552,7 @@ class Store:
                 if meta.kind in COPIED_KINDS:  # a copy: no lease to keep
                     view = entry.slab.view(entry.offset, meta.nbytes)
                     return await offload(meta.nbytes, to_object, meta, view), meta
-                return to_object(meta, entry.slab.lease(entry.offset, meta.nbytes)), meta
+                return to_object(meta, entry.lease()), meta
         found = await self._fetch_shared(k)
         if found is None:
             return None
@@ -569,8 +569,7 @@ class Store:
         if self.l1 is not None:
             entry = self.l1.lookup(k)
             if entry is not None:
-                lease = entry.slab.lease(entry.offset, entry.meta.nbytes)
-                return ObjectData(entry.meta, lease)
+                return ObjectData(entry.meta, entry.lease())
         found = await self._fetch_shared(k)
         return None if found is None else ObjectData(found.meta, found.stored_bytes())
 
@@ -588,7 +587,7 @@ class Store:
         entry = self.l1.lookup(k)
         if entry is None:
             return None
-        return ObjectData(entry.meta, entry.slab.lease(entry.offset, entry.meta.nbytes))
+        return ObjectData(entry.meta, entry.lease())
 
     async def get_many(self, keys: Sequence[KeyLike]) -> list[object | None]:
         return list(await asyncio.gather(*(self.get(k) for k in keys)))

@@ -158,6 +158,10 @@ class L1Entry:
     def expired(self) -> bool:
         return self.expires_at is not None and time.time() > self.expires_at
 
+    def lease(self) -> memoryview:
+        """The object's bytes, a lease on the slab (held while the view lives)."""
+        return self.slab.lease(self.offset, self.meta.nbytes)
+
 
 class MemoryTier:
     """L1: decoded objects in the buffer pool, indexed by key, evicted by policy."""

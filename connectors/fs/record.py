@@ -335,8 +335,8 @@ class _Bounce(threading.local):
     buffer: memoryview | None = None
 
 
-BOUNCE = _Bounce()
 KEEP_BOUNCE = 1 << 20
+BOUNCE = _Bounce()
 """Each writing thread's bounce buffer for ``write_direct``, kept between records: a new
 mapping per record cost an ``mmap``, a ``munmap`` and a page fault each time (the disk tier
 wrote 1 MiB records at 0.45x raw O_DIRECT writes, with 16 system calls a record)."""

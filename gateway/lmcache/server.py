@@ -464,9 +464,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
         except OSError:
             return False  # the handler task tries again and reports what fails
         try:
-            sent = sock.sendmsg((header, view))
-        except (BlockingIOError, InterruptedError):
-            sent = 0
+            sent = _send_now(sock, header, view)
         except ConnectionError:  # the client went away: only its loss
             self._close("client gone while sending a reply")
             return True
@@ -497,7 +495,9 @@ class _LmProtocol(asyncio.BufferedProtocol):
         then keeps the received bytes instead of copying them (``Store.reserve``; 4 MiB puts
         ran at about half ``lmcache_server``'s speed with the copy). What all payloads being
         received hold that way is bounded (``StagingAllowance``)."""
-        if req.length < STAGE_FROM or not _is_tensor_payload(req) or not _valid_key(req.key):
+        if req.length < STAGE_FROM or not _is_tensor_payload(req):
+            return None
+        if _canonical_key(req.key) is None:
             return None
         return self.shared.staging.reserve(req.length)
 
@@ -626,10 +626,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
         sock = self._direct_socket()
         try:
             if not sent:
-                try:
-                    sent = sock.sendmsg((reply, view))
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
+                sent = _send_now(sock, reply, view)
             loop = asyncio.get_running_loop()
             if sent < len(reply):
                 await loop.sock_sendall(sock, reply[sent:])
@@ -695,8 +692,12 @@ def _canonical_key(text: str) -> str | None:
         return None
 
 
-def _valid_key(text: str) -> bool:
-    return _canonical_key(text) is not None
+def _send_now(sock: socket.socket, reply: bytes, view: memoryview) -> int:
+    """Bytes of ``reply`` then ``view`` that one non-blocking send took (0 when none fit)."""
+    try:
+        return sock.sendmsg((reply, view))
+    except (BlockingIOError, InterruptedError):
+        return 0
 
 
 def _is_tensor_payload(req: Request) -> bool:

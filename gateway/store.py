@@ -44,7 +44,7 @@ from gateway.object_meta import check_ttl
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
 from gateway.registry import build_codec, connect, scheme_of
-from gateway.tiers import OFFLOAD_BYTES, ConnectorTier, Found, MemoryTier, offload
+from gateway.tiers import ConnectorTier, Found, MemoryTier, offload
 from gateway.types import MemoryFormat, TierStats
 
 log = logging.getLogger("kvgate.store")
@@ -67,10 +67,6 @@ STAGING = "staging"  # lookup_detail's name for objects held in the pool of a st
 # one per tier: the writes of one put share its slab, so tiers that stall together pin the
 # same slabs.
 SKIP_PIN_SHARE = 0.5
-# A put's copy into the pool runs in a CPU thread from this size on when the store has lower
-# tiers (their writes then keep the loop busy); without them, from OFFLOAD_BYTES, since a
-# thread's round trip (~0.1 ms each way here) costs more than copying a MiB on the loop.
-PUT_COPY_OFFLOAD_BYTES = 1 << 20
 
 KeyLike = Key | str
 ConfigSource = StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None
@@ -403,24 +399,20 @@ class Store:
                 await self._put_direct(k, data, expires_at, durable=durable)
                 return
             try:  # the put's own slab reference, released below whatever happens
-                # With lower tiers, the copy runs in a thread from PUT_COPY_OFFLOAD_BYTES
-                # on: meanwhile the loop drives their sends (on a 2-core VM it took
-                # ~0.25 of 1.0-1.3 ms of loop time per 1 MiB put to Redis).
-                below = PUT_COPY_OFFLOAD_BYTES if self.writers else OFFLOAD_BYTES
+                # The copy runs on the loop below the offload size (4 MiB) even while lower tiers'
+                # writes keep the loop busy: 1 MiB puts into Redis or memory + disk took
+                # 0.1-0.4 ms less CPU each that way than with the copy in a thread (its
+                # round trip and wake-ups cost more than copying and hashing a MiB).
                 device = not data.on_host
                 if staged is not None:  # the bytes are in the slab already: no copy
                     if self._hash_on_copy:
-                        data.checksum = await offload(
-                            nbytes, xxhash.xxh3_64_intdigest, slab.view(), inline_below=below
-                        )
+                        data.checksum = await offload(nbytes, xxhash.xxh3_64_intdigest, slab.view())
                 elif self._hash_on_copy:
                     data.checksum = await offload(
-                        nbytes, data.copy_hashed, slab.view(), device=device, inline_below=below
+                        nbytes, data.copy_hashed, slab.view(), device=device
                     )
                 else:
-                    await offload(
-                        nbytes, data.copy_into, slab.view(), device=device, inline_below=below
-                    )
+                    await offload(nbytes, data.copy_into, slab.view(), device=device)
                 self._invalidate_fetch(k)
                 if self.l1 is not None:  # first, so that a get during the queue waits sees it
                     l1_expires = _expiry(ttl, self._l1_ttl)

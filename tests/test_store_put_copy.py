@@ -1,5 +1,5 @@
 """A put's copy into the pool: whole and checksummed before ``put`` returns, on the loop or in
-a CPU thread (from ``PUT_COPY_OFFLOAD_BYTES`` with lower tiers, ``OFFLOAD_BYTES`` without)."""
+a CPU thread (from ``OFFLOAD_BYTES`` on)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import torch
 
 from gateway import Store
 from gateway.errors import InvalidObject
-from gateway.store import PUT_COPY_OFFLOAD_BYTES
 from gateway.tiers import OFFLOAD_BYTES
 
-SIZES = [PUT_COPY_OFFLOAD_BYTES - 8, PUT_COPY_OFFLOAD_BYTES, 3 * PUT_COPY_OFFLOAD_BYTES + 8]
+SIZES = [OFFLOAD_BYTES - 8, OFFLOAD_BYTES, 3 * OFFLOAD_BYTES + 8]
 
 
 def _config(lower: str, *, l1: bool) -> dict[str, object]:
@@ -70,7 +69,7 @@ async def test_every_put_survives_the_lower_tier_and_reads_back_verified() -> No
 
 
 @pytest.mark.parametrize("l1", [True, False])
-@pytest.mark.parametrize("size", [4096, 3 * PUT_COPY_OFFLOAD_BYTES + 8])
+@pytest.mark.parametrize("size", [4096, 3 * OFFLOAD_BYTES + 8])
 async def test_a_staged_put_keeps_the_reserved_memory_and_checksums_it(l1: bool, size: int) -> None:
     """Bytes received into ``reserve``'s slab are stored as they are (the memory tier holds
     that very memory), and lower tiers get them framed with a checksum that verifies."""

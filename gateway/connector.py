@@ -123,6 +123,30 @@ def writing_durably(durable: bool = True) -> Iterator[None]:
         _DURABLE.reset(token)
 
 
+_POSITION: ContextVar[int | None] = ContextVar("kvgate_write_position", default=None)
+
+
+def write_position() -> int | None:
+    """Where the object being written starts in its token sequence (``Store.put(position=)``),
+    or None when the put did not say.
+
+    The tier's codec has used it already; a connector whose backend encodes objects with codecs
+    of its own (``gateway://``: another kvgate, whose ``kvtc`` undoes RoPE with it) passes it
+    on. A context variable, like ``durable_write``, for the same reason.
+    """
+    return _POSITION.get()
+
+
+@contextlib.contextmanager
+def writing_position(position: int | None) -> Iterator[None]:
+    """``write_position()`` is ``position`` inside this block (and in tasks started from it)."""
+    token = _POSITION.set(position)
+    try:
+        yield
+    finally:
+        _POSITION.reset(token)
+
+
 @runtime_checkable
 class Connector(Protocol):
     """The whole interface the core uses. ``BaseConnector`` supplies the batch defaults."""

@@ -21,7 +21,14 @@ from typing import Any, TypeVar
 
 from gateway.codec import Codec, decode_payload, encode_payload, frame_head
 from gateway.codec_chain import ChainCodec, with_known_stages
-from gateway.connector import PLACEMENT, Connector, address_of, as_parts, limiting_reads
+from gateway.connector import (
+    PLACEMENT,
+    Connector,
+    address_of,
+    as_parts,
+    limiting_reads,
+    writing_position,
+)
 from gateway.errors import (
     CapacityError,
     ConfigError,
@@ -328,7 +335,8 @@ class ConnectorTier:
             checksum,
             key,
         )
-        await self.connector.put(key, [head, *parts])
+        with writing_position(obj.position):  # for a gateway:// tier's remote codecs
+            await self.connector.put(key, [head, *parts])
 
     async def _write_side_objects(self) -> None:
         """Put the codec's side objects before the first frame that needs them (and again

@@ -219,3 +219,23 @@ async def test_the_http_position_header_reaches_the_codec(
             assert (await client.post("/v1/flush")).status_code < 300
     assert await stored_position(tmp_path, "at320") == 320
     assert await stored_position(tmp_path, "unknown") is None
+
+
+@pytest.mark.parametrize("durable", [False, True])
+async def test_a_gateway_tier_passes_the_position_to_the_remotes_codec(
+    tmp_path: Path, cal_file: tuple[Path, str], durable: bool
+) -> None:
+    """A chained kvgate: this store's gateway:// tier sends raw frames, and the remote encodes
+    them with its own kvtc tier, which needs each chunk's position to undo RoPE."""
+    kv = correlated_kv(64, 448, seed=71)
+    remote = create_app(config(tmp_path, calibration=str(cal_file[0])))
+    async for url in serve(remote):
+        local = {"tiers": [{"url": url.replace("http://", "gateway://")}], "staging": 16 << 20}
+        async with Store(local) as store:
+            await store.put("at448", kv, fmt=F.KV_2LTD, position=448, durable=durable)
+            await store.put("unknown", kv, fmt=F.KV_2LTD, durable=durable)
+            await store.flush()
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            assert (await client.post("/v1/flush")).status_code < 300
+    assert await stored_position(tmp_path, "at448") == 448
+    assert await stored_position(tmp_path, "unknown") is None

@@ -7,7 +7,9 @@ has a deadline (``timeout``, around the whole call) and goes through ``errors.py
   tier's scatter list with an explicit length (no join); anything else goes as opaque bytes
   (``wire.py``), and so does a frame the remote refuses as corrupt or cannot decode. A
   durable put's write (``durable_write()``) asks the remote for one too (``x-kvgate-durable``),
-  so the promise holds through a chain of gateways.
+  so the promise holds through a chain of gateways, and the chunk's start position
+  (``write_position()``) goes with a frame as ``x-kvgate-position``: the remote decodes the
+  frame and encodes the object again with its own tiers' codecs, which may use it (``kvtc``).
 - get: ``Accept: application/vnd.kvgate.frame`` with ``x-kvgate-codec`` (the ``codec`` option,
   raw by default): the frame comes back as the remote encoded it; 404 is a miss.
 - exists is HEAD, exists_many one ``POST /v1/exists`` (per-key HEADs against a remote that
@@ -29,7 +31,7 @@ import httpx
 from connectors.gateway import wire
 from connectors.gateway.config import Endpoint, GatewayOptions, parse, tls_verify
 from connectors.gateway.errors import error_for, remote_kind, transport_errors
-from gateway.connector import BaseConnector, as_parts, durable_write
+from gateway.connector import BaseConnector, as_parts, durable_write, write_position
 from gateway.errors import GatewayError, InvalidKey
 from gateway.inflight import InFlight
 from gateway.keys import MAX_KEY_BYTES
@@ -157,6 +159,9 @@ class GatewayConnector(BaseConnector):
         headers = {"content-type": media, "content-length": str(total)}
         if durable_write():  # a durable put: the remote writes all its tiers before answering
             headers["x-kvgate-durable"] = "true"
+        position = write_position()
+        if position is not None and media == wire.FRAME_TYPE:  # its codecs re-encode the object
+            headers["x-kvgate-position"] = str(position)
         with self._op("PUT") as where:
             response = await self._request(
                 "PUT", wire.object_path(remote), content=_stream(parts), headers=headers

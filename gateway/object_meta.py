@@ -89,6 +89,24 @@ def check_format(fmt: object) -> int:
     return int(fmt)
 
 
+# The largest start position a put may give: what the HTTP header parser takes (18 digits), so a
+# position a Store accepts can travel to another kvgate (``gateway://``) and fits a frame's
+# int64 parameter.
+MAX_POSITION = 10**18 - 1
+
+
+def check_position(position: object) -> int | None:
+    """A KV chunk's start position (None: unknown); ``InvalidObject`` unless an int in
+    0..MAX_POSITION."""
+    if position is None:
+        return None
+    if isinstance(position, bool) or not isinstance(position, int):
+        raise InvalidObject(f"position must be a non-negative int, got {position!r}")
+    if not 0 <= position <= MAX_POSITION:
+        raise InvalidObject(f"position must be an int in 0..{MAX_POSITION}, got {position}")
+    return position
+
+
 def check_ttl(ttl: object) -> float | None:
     """``ttl`` in seconds as a float (None: no expiry); ``InvalidObject`` unless finite, > 0."""
     if ttl is None:

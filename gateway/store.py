@@ -40,7 +40,7 @@ from gateway.jobs import Hold, TierWriter, WriteJob
 from gateway.keys import Key, normalize_key
 from gateway.layers import build_stack
 from gateway.memory import BufferPool, Slab
-from gateway.object_meta import check_ttl
+from gateway.object_meta import check_position, check_ttl
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
 from gateway.registry import build_codec, connect, scheme_of
@@ -379,7 +379,7 @@ class Store:
         data = to_object_data(obj, fmt)
         if staged is not None:
             _check_staged(staged, data)
-        data.position = _check_position(position)
+        data.position = check_position(position)
         ttl = check_ttl(ttl)
         nbytes = data.meta.nbytes
         if nbytes > self.config.max_object_size:
@@ -399,10 +399,10 @@ class Store:
                 await self._put_direct(k, data, expires_at, durable=durable)
                 return
             try:  # the put's own slab reference, released below whatever happens
-                # The copy runs on the loop below the offload size (4 MiB) even while lower tiers'
-                # writes keep the loop busy: 1 MiB puts into Redis or memory + disk took
-                # 0.1-0.4 ms less CPU each that way than with the copy in a thread (its
-                # round trip and wake-ups cost more than copying and hashing a MiB).
+                # offload copies on the loop below OFFLOAD_BYTES even while lower tiers' writes
+                # keep the loop busy: 1 MiB puts into Redis or memory + disk took 0.1-0.4 ms
+                # less CPU each that way than with the copy in a thread, and no more loop CPU
+                # (the thread's round trip and wake-ups cost what the copy did).
                 device = not data.on_host
                 if staged is not None:  # the bytes are in the slab already: no copy
                     if self._hash_on_copy:
@@ -803,14 +803,6 @@ def _check_staged(staged: Slab, data: ObjectData) -> None:
 
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-
-
-def _check_position(position: int | None) -> int | None:
-    if position is None:
-        return None
-    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-        raise InvalidObject(f"position must be a non-negative int, got {position!r}")
-    return position
 
 
 def _expiry(ttl: float | None, default: float | None) -> float | None:

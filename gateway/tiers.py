@@ -85,9 +85,8 @@ async def offload(
     fn: Callable[..., T],
     *args: Any,
     device: bool = False,
-    inline_below: int = OFFLOAD_BYTES,
 ) -> T:
-    """Run ``fn`` inline for inputs under ``inline_below`` bytes, in a CPU worker thread for
+    """Run ``fn`` inline for inputs under ``OFFLOAD_BYTES``, in a CPU worker thread for
     larger ones.
 
     ``device``: the work touches a GPU tensor (a copy to the host waits for its stream) or may
@@ -96,7 +95,7 @@ async def offload(
     If the caller is cancelled, this still waits for the thread to finish before re-raising:
     ``fn`` works on pool slabs that the caller releases as soon as this returns.
     """
-    if nbytes < inline_below and not device:
+    if nbytes < OFFLOAD_BYTES and not device:
         return fn(*args)
     return await in_thread(_CPU_THREADS, functools.partial(fn, *args))
 
@@ -348,7 +347,8 @@ class ConnectorTier:
                 continue
             meta = ObjectMeta("bytes", "uint8", (len(data),), len(data))
             head, _ = await offload(len(data), frame_head, "raw", meta, [memoryview(data)], {})
-            await self.connector.put(key, [head, memoryview(data)])
+            with writing_position(None):  # not a chunk: no position, whatever the caller's
+                await self.connector.put(key, [head, memoryview(data)])
             self._side_written[key] = 0
 
     async def read(

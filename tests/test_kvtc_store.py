@@ -111,8 +111,9 @@ async def test_position_is_optional(tmp_path: Path, cal_file: tuple[Path, str]) 
     async with Store(config(tmp_path, calibration=str(cal_file[0]))) as store:
         await store.put("with", kv, fmt=F.KV_2LTD, position=640)
         await store.put("without", kv, fmt=F.KV_2LTD)
-        with pytest.raises(ValueError, match="position"):
-            await store.put("bad", kv, fmt=F.KV_2LTD, position=-1)
+        for bad in (-1, 10**18, True, 1.5):  # 10**18: one digit over what HTTP carries
+            with pytest.raises(ValueError, match="position"):
+                await store.put("bad", kv, fmt=F.KV_2LTD, position=bad)  # type: ignore[arg-type]
     registry.forget_all()
     async with Store(config(tmp_path, "raw")) as store:
         assert close_to(await store.get("with"), kv)
@@ -230,7 +231,9 @@ async def test_a_gateway_tier_passes_the_position_to_the_remotes_codec(
     kv = correlated_kv(64, 448, seed=71)
     remote = create_app(config(tmp_path, calibration=str(cal_file[0])))
     async for url in serve(remote):
-        local = {"tiers": [{"url": url.replace("http://", "gateway://")}], "staging": 16 << 20}
+        # One write worker: a position left set by one write would reach the next.
+        tier = {"url": url.replace("http://", "gateway://"), "workers": 1}
+        local = {"tiers": [tier], "staging": 16 << 20}
         async with Store(local) as store:
             await store.put("at448", kv, fmt=F.KV_2LTD, position=448, durable=durable)
             await store.put("unknown", kv, fmt=F.KV_2LTD, durable=durable)

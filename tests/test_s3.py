@@ -474,12 +474,15 @@ async def test_store_rides_out_a_seaweedfs_kill(s3_server_private: S3Server) -> 
             await store.put(f"stored-{i}", data)
         await store.flush()
 
+        before_kill: dict[str, int] = {}
+
         async def kill_mid_load() -> None:
             hits = stats.hits
             deadline = time.monotonic() + 30  # a slow SeaweedFS may trip the breaker first
             while stats.hits < hits + 4:  # the load reads the tier
                 assert time.monotonic() < deadline, "the load never read the tier"
                 await asyncio.sleep(0.05)
+            before_kill.update(stats.errors)  # a slow server may have opened the breaker
             server.kill()  # SIGKILL while puts and gets are in flight
             await asyncio.sleep(3.0)
             stop.set()
@@ -487,13 +490,16 @@ async def test_store_rides_out_a_seaweedfs_kill(s3_server_private: S3Server) -> 
         await asyncio.gather(kill_mid_load(), *(load(store, w) for w in range(4)))
         assert not errors, f"an error reached the caller: {errors[0]!r}"
         assert slowest < TIER_TIMEOUT + SLACK, f"a call took {slowest:.2f} s"
-        assert stats.errors.get("unavailable", 0) > 0
-        assert stats.errors.get("circuit_open", 0) > 0, f"the breaker never opened: {stats}"
+        for kind in ("unavailable", "circuit_open"):  # the kill's doing, not the slowness's
+            assert stats.errors.get(kind, 0) > before_kill.get(kind, 0), f"no new {kind}: {stats}"
 
         server.start()  # same ports, same data directory
         restarted = time.monotonic()
         await round_trip(store, "after")
-        assert time.monotonic() - restarted < 5.0, "the tier took too long to be used again"
+        # The breaker's reset, a probe that may take the tier's timeout, then the round trip.
+        used_again_within = 2 * TIER_TIMEOUT + 2.0
+        took = time.monotonic() - restarted
+        assert took < used_again_within, f"the tier took {took:.1f} s to be used again"
         assert not errors
 
 

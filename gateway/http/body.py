@@ -38,6 +38,7 @@ from gateway.object_meta import (
     FORMATS,
     ITEMSIZE,
     MAX_DIMS,
+    MAX_POSITION,
     check_format,
     check_meta,
     check_ttl,
@@ -219,7 +220,7 @@ def parse_position(text: str | None) -> int | None:
     if text is None:
         return None
     stripped = text.strip()
-    if not stripped.isdigit() or not stripped.isascii() or len(stripped) > 18:
+    if not stripped.isdigit() or not stripped.isascii() or len(stripped) > len(str(MAX_POSITION)):
         raise BadRequest(f"bad {H_POSITION} header {text[:40]!r}: a token index, an int >= 0")
     return int(stripped)
 

@@ -31,6 +31,7 @@ from gateway.errors import Unsupported
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
 T = TypeVar("T")
+V = TypeVar("V")  # a context variable's value
 
 Allocator = Callable[[int], memoryview | None]
 """Gives a writable buffer of exactly n bytes (a pool slab), or None when there is no room.
@@ -92,11 +93,8 @@ def read_limit() -> int | None:
 @contextlib.contextmanager
 def limiting_reads(nbytes: int) -> Iterator[None]:
     """``read_limit()`` is ``nbytes`` inside this block (and in tasks started from it)."""
-    token = _READ_LIMIT.set(nbytes)
-    try:
+    with _holding(_READ_LIMIT, nbytes):
         yield
-    finally:
-        _READ_LIMIT.reset(token)
 
 
 _DURABLE: ContextVar[bool] = ContextVar("kvgate_durable_write", default=False)
@@ -116,11 +114,8 @@ def durable_write() -> bool:
 @contextlib.contextmanager
 def writing_durably(durable: bool = True) -> Iterator[None]:
     """``durable_write()`` is ``durable`` inside this block (and in tasks started from it)."""
-    token = _DURABLE.set(durable)
-    try:
+    with _holding(_DURABLE, durable):
         yield
-    finally:
-        _DURABLE.reset(token)
 
 
 _POSITION: ContextVar[int | None] = ContextVar("kvgate_write_position", default=None)
@@ -140,11 +135,18 @@ def write_position() -> int | None:
 @contextlib.contextmanager
 def writing_position(position: int | None) -> Iterator[None]:
     """``write_position()`` is ``position`` inside this block (and in tasks started from it)."""
-    token = _POSITION.set(position)
+    with _holding(_POSITION, position):
+        yield
+
+
+@contextlib.contextmanager
+def _holding(var: ContextVar[V], value: V) -> Iterator[None]:
+    """``var`` is ``value`` inside this block, its old value again after."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _POSITION.reset(token)
+        var.reset(token)
 
 
 @runtime_checkable

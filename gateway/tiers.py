@@ -347,8 +347,7 @@ class ConnectorTier:
                 continue
             meta = ObjectMeta("bytes", "uint8", (len(data),), len(data))
             head, _ = await offload(len(data), frame_head, "raw", meta, [memoryview(data)], {})
-            with writing_position(None):  # not a chunk: no position, whatever the caller's
-                await self.connector.put(key, [head, memoryview(data)])
+            await self.connector.put(key, [head, memoryview(data)])
             self._side_written[key] = 0
 
     async def read(

@@ -265,7 +265,8 @@ async def test_a_cancelled_staged_put_leaves_the_old_blob(
     conn = azure(azurite_server, prefix, **{**SMALL, "max_concurrency": 1})
     try:
         await conn.put("big", b"old")
-        put = asyncio.create_task(conn.put("big", make_bytes(8 * MiB, seed=5)))
+        # 64 MiB: a quiet CI machine once staged and committed 8 MiB within the 0.2 s below.
+        put = asyncio.create_task(conn.put("big", make_bytes(64 * MiB, seed=5)))
         await asyncio.sleep(0.2)  # some blocks are staged, none committed
         assert not put.done()
         put.cancel()

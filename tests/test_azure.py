@@ -327,7 +327,12 @@ async def test_a_stalled_server_times_out(
 async def test_raw_client_baseline_measures_and_cleans_up(azurite_server: AzuriteServer) -> None:
     url = azurite_server.url("baseline")
     put_gbps, get_gbps = await AzureConnector.raw_client_baseline(
-        url, azurite_server.options(), size=256 * 1024, count=4, concurrency=2
+        url,
+        azurite_server.options(),
+        size=256 * 1024,
+        count=4,
+        concurrency=2,
+        payloads=[bytes([i]) * 256 * 1024 for i in range(3)],
     )
     assert put_gbps > 0
     assert get_gbps > 0

@@ -229,7 +229,12 @@ async def test_a_stalled_server_times_out(gcs_server_private: GcsServer, prefix:
 
 async def test_raw_client_baseline_measures_and_cleans_up(gcs_server: GcsServer) -> None:
     put_gbps, get_gbps = await GcsConnector.raw_client_baseline(
-        gcs_server.url("baseline"), gcs_server.options(), size=256 * 1024, count=4, concurrency=2
+        gcs_server.url("baseline"),
+        gcs_server.options(),
+        size=256 * 1024,
+        count=4,
+        concurrency=2,
+        payloads=[bytes([i]) * 256 * 1024 for i in range(3)],
     )
     assert put_gbps > 0
     assert get_gbps > 0

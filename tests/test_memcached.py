@@ -595,7 +595,12 @@ async def test_store_survives_a_killed_server_and_uses_it_again(
 async def test_raw_client_baseline_measures_and_cleans_up(memcached_factory: StartServer) -> None:
     server = memcached_factory(memory_mb=256)
     put_gbps, get_gbps = await MemcachedConnector.raw_client_baseline(
-        server.url, {}, size=256 * KiB, count=8, concurrency=2
+        server.url,
+        {},
+        size=256 * KiB,
+        count=8,
+        concurrency=2,
+        payloads=[bytes([i]) * 256 * KiB for i in range(3)],
     )
     assert put_gbps > 0
     assert get_gbps > 0

@@ -304,7 +304,12 @@ async def test_keys_map_to_distinct_bounded_mooncake_keys() -> None:
 
 async def test_raw_client_baseline(mooncake_cluster: MooncakeCluster) -> None:
     put, get = await MooncakeConnector.raw_client_baseline(
-        mooncake_cluster.url, mooncake_cluster.options, size=MiB, count=4, concurrency=2
+        mooncake_cluster.url,
+        mooncake_cluster.options,
+        size=MiB,
+        count=4,
+        concurrency=2,
+        payloads=[bytes([i]) * MiB for i in range(3)],
     )
     assert put > 0
     assert get > 0

@@ -326,7 +326,12 @@ async def test_through_a_store(s3_server: S3Server, prefix: str) -> None:
 async def test_raw_client_baseline_measures_and_cleans_up(s3_server: S3Server) -> None:
     url = f"obstore+s3://{s3_server.bucket}/baseline-ob"
     put_gbps, get_gbps = await ObstoreS3Connector.raw_client_baseline(
-        url, s3_server.options(), size=256 * 1024, count=4, concurrency=2
+        url,
+        s3_server.options(),
+        size=256 * 1024,
+        count=4,
+        concurrency=2,
+        payloads=[bytes([i]) * 256 * 1024 for i in range(3)],
     )
     assert put_gbps > 0
     assert get_gbps > 0

@@ -243,7 +243,12 @@ async def test_garbage_behind_the_connector_is_corrupt_never_data(ftp_server: Ft
 
 async def test_raw_client_baseline_measures_and_cleans_up(webdav_server: WebdavServer) -> None:
     put_gbs, get_gbs = await OpendalConnector.raw_client_baseline(
-        webdav_server.url, webdav_server.options(), size=MiB, count=4, concurrency=2
+        webdav_server.url,
+        webdav_server.options(),
+        size=MiB,
+        count=4,
+        concurrency=2,
+        payloads=[bytes([i]) * MiB for i in range(3)],
     )
     assert put_gbs > 0
     assert get_gbs > 0

@@ -406,7 +406,12 @@ async def test_a_stalled_server_times_out(s3_server: S3Server, prefix: str) -> N
 async def test_raw_client_baseline_measures_and_cleans_up(s3_server: S3Server) -> None:
     url = s3_server.url("baseline")
     put_gbps, get_gbps = await S3Connector.raw_client_baseline(
-        url, s3_server.options(), size=256 * 1024, count=4, concurrency=2
+        url,
+        s3_server.options(),
+        size=256 * 1024,
+        count=4,
+        concurrency=2,
+        payloads=[bytes([i]) * 256 * 1024 for i in range(3)],
     )
     assert put_gbps > 0
     assert get_gbps > 0

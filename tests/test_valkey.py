@@ -416,7 +416,12 @@ async def test_store_tier_from_config(valkey_server: str, namespace: str) -> Non
 
 async def test_raw_client_baseline_measures_and_cleans_up(any_server: str) -> None:
     put_gbps, get_gbps = await ValkeyConnector.raw_client_baseline(
-        any_server, {}, size=MiB, count=4, concurrency=2
+        any_server,
+        {},
+        size=MiB,
+        count=4,
+        concurrency=2,
+        payloads=[bytes([i]) * MiB for i in range(3)],
     )
     assert put_gbps > 0
     assert get_gbps > 0

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 from azure.core.exceptions import HttpResponseError
@@ -17,7 +16,7 @@ from connectors.azure.config import credential, parse
 from connectors.azure.errors import azure_errors, is_missing
 from connectors.azure.transfer import download, upload
 from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
-from gateway.client_baseline import timed_put_get
+from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import Allocator
 from gateway.types import ObjectInfo
 
@@ -134,21 +133,31 @@ class AzureConnector(ObjectStoreConnector):
 
     @classmethod
     async def raw_client_baseline(
-        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+        cls,
+        url: str,
+        options: Mapping[str, Any],
+        *,
+        size: int,
+        count: int,
+        concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of plain azure-storage-blob (aio): one ``upload_blob`` and one
         ``download_blob().readall()`` per object, on a client configured like the connector's
         (its transfer sizes and concurrency included)."""
         location, opts = parse(url, options)
         service = new_service(location, opts, credential(opts))
-        data = os.urandom(size)
+        objects = baseline_objects(size, payloads)
         base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
         async with service:
             container = service.get_container_client(location.container)
 
             async def put(i: int) -> object:
                 return await container.upload_blob(
-                    f"{base}{i}", data, overwrite=True, max_concurrency=opts.max_concurrency
+                    f"{base}{i}",
+                    objects[i % len(objects)],
+                    overwrite=True,
+                    max_concurrency=opts.max_concurrency,
                 )
 
             async def get(i: int) -> int:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 import aiohttp
@@ -19,7 +18,7 @@ from connectors.gcs.download import download
 from connectors.gcs.errors import gcs_errors, is_missing
 from connectors.gcs.upload import upload
 from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
-from gateway.client_baseline import timed_put_get
+from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import Allocator
 from gateway.types import ObjectInfo
 
@@ -141,13 +140,20 @@ class GcsConnector(ObjectStoreConnector):
 
     @classmethod
     async def raw_client_baseline(
-        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+        cls,
+        url: str,
+        options: Mapping[str, Any],
+        *,
+        size: int,
+        count: int,
+        concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of plain gcloud-aio-storage: one ``upload`` and one
         ``download`` per object (the library picks simple or resumable uploads itself)."""
         location, opts = parse(url, options)
         root, emulated = api_root(opts)
-        data = os.urandom(size)
+        objects = baseline_objects(size, payloads)
         base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
         timeout = int(opts.request_timeout)
         async with Storage(
@@ -155,7 +161,9 @@ class GcsConnector(ObjectStoreConnector):
         ) as storage:
 
             async def put(i: int) -> object:
-                return await storage.upload(location.bucket, f"{base}{i}", data, timeout=timeout)
+                return await storage.upload(
+                    location.bucket, f"{base}{i}", objects[i % len(objects)], timeout=timeout
+                )
 
             async def get(i: int) -> int:
                 got = await storage.download(location.bucket, f"{base}{i}", timeout=timeout)

@@ -10,12 +10,12 @@ aiomcache has no timeouts of its own: the puts and gets run under one deadline s
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
+from collections.abc import Sequence
 
 import aiomcache
 
-from gateway.client_baseline import timed_put_get
+from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.errors import CapacityError, GatewayError, Timeout, Unavailable
 
 
@@ -26,11 +26,12 @@ async def aiomcache_baseline(
     size: int,
     count: int,
     concurrency: int,
+    payloads: Sequence[bytes] = (),
     seconds_per_object: float,
 ) -> tuple[float, float]:
     """(put GB/s, get GB/s) of aiomcache ``set``/``get`` of ``count`` objects of ``size``."""
     client = aiomcache.Client(host, port, pool_size=max(1, concurrency))
-    data = os.urandom(size)
+    objects = baseline_objects(size, payloads)
     keys = [f"kvgate-baseline/{uuid.uuid4().hex}/{i}".encode() for i in range(count)]
     deadline = seconds_per_object * max(1, count)
 
@@ -41,7 +42,7 @@ async def aiomcache_baseline(
     try:
         async with asyncio.timeout(2 * deadline):  # the put phase, then the get phase
             return await timed_put_get(
-                lambda i: client.set(keys[i], data),
+                lambda i: client.set(keys[i], objects[i % len(objects)]),
                 get,
                 size=size,
                 count=count,

@@ -338,6 +338,7 @@ class MemcachedConnector(BaseConnector):
         size: int,
         count: int,
         concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of plain aiomcache: one ``set`` and one ``get`` per object."""
         from connectors.memcached.baseline import aiomcache_baseline
@@ -350,5 +351,6 @@ class MemcachedConnector(BaseConnector):
             size=size,
             count=count,
             concurrency=concurrency,
+            payloads=payloads,
             seconds_per_object=opts.timeout,
         )

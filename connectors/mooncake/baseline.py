@@ -9,15 +9,15 @@ them, so their leases do not matter). Every object is checked for its length.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from connectors.mooncake import errors as codes
 from connectors.mooncake.client import load_store_class
 from connectors.mooncake.config import MooncakeOptions, Target
+from gateway.client_baseline import baseline_objects
 from gateway.errors import GatewayError, Unavailable
 
 
@@ -29,7 +29,13 @@ def _timed(op: Callable[[int], None], count: int, threads: int) -> float:
 
 
 def raw_put_get(
-    target: Target, options: MooncakeOptions, *, size: int, count: int, threads: int
+    target: Target,
+    options: MooncakeOptions,
+    *,
+    size: int,
+    count: int,
+    threads: int,
+    payloads: Sequence[bytes] = (),
 ) -> tuple[float, float]:
     """(put GB/s, get GB/s) of ``count`` plain puts and gets of ``size`` bytes."""
     store = load_store_class()()
@@ -44,11 +50,11 @@ def raw_put_get(
     )
     if rc != 0:
         raise Unavailable(f"baseline: no Mooncake client for {target.shown} (setup: {rc})")
-    data = os.urandom(size)
+    objects = baseline_objects(size, payloads)
     keys = [f"kvgate-baseline/{uuid.uuid4().hex}/{i}" for i in range(count)]
 
     def put(i: int) -> None:
-        codes.check(store.put(keys[i], data), f"baseline: put {keys[i]}")
+        codes.check(store.put(keys[i], objects[i % len(objects)]), f"baseline: put {keys[i]}")
 
     def get(i: int) -> None:
         value = store.get(keys[i])
@@ -58,7 +64,7 @@ def raw_put_get(
     warm = [f"kvgate-baseline/{uuid.uuid4().hex}/warm-{i}" for i in range(max(1, threads))]
 
     def warm_up(i: int) -> None:
-        codes.check(store.put(warm[i], data), f"baseline: put {warm[i]}")
+        codes.check(store.put(warm[i], objects[0]), f"baseline: put {warm[i]}")
         store.get(warm[i])
 
     try:

@@ -285,13 +285,20 @@ class MooncakeConnector(BaseConnector):
         size: int,
         count: int,
         concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of Mooncake's plain ``put(key, bytes)`` / ``get(key)``."""
         from connectors.mooncake.baseline import raw_put_get
 
         opts = parse_options(MooncakeOptions, url, options)
         return await asyncio.to_thread(
-            raw_put_get, resolve(url, opts), opts, size=size, count=count, threads=concurrency
+            raw_put_get,
+            resolve(url, opts),
+            opts,
+            size=size,
+            count=count,
+            threads=concurrency,
+            payloads=payloads,
         )
 
 

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -40,7 +39,7 @@ from connectors import object_names as names
 from connectors.object_store import OBJECT_STORE_CAPABILITIES, ObjectStoreConnector
 from connectors.obstore.config import SCHEME, ObstoreS3Options, parse
 from connectors.obstore.errors import is_missing, obstore_errors
-from gateway.client_baseline import timed_put_get
+from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import Allocator, FillHook, fill_hook, read_limit
 from gateway.errors import ConfigError, CorruptObject, Unavailable
 from gateway.thread_jobs import in_thread
@@ -257,18 +256,25 @@ class ObstoreS3Connector(ObjectStoreConnector):
 
     @classmethod
     async def raw_client_baseline(
-        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+        cls,
+        url: str,
+        options: Mapping[str, Any],
+        *,
+        size: int,
+        count: int,
+        concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of plain obstore: ``put_async`` of the bytes and
         ``get_async`` + ``bytes_async`` per object, on a store configured like the tier's."""
         location, opts = parse(url, options)
         store = open_store(location.bucket, opts)
-        data = os.urandom(size)
+        objects = baseline_objects(size, payloads)
         base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
         keys = [f"{base}{i}" for i in range(count)]
 
         async def put(i: int) -> object:
-            return await obstore.put_async(store, keys[i], data)
+            return await obstore.put_async(store, keys[i], objects[i % len(objects)])
 
         async def get(i: int) -> int:
             result = await obstore.get_async(store, keys[i])

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -42,7 +41,7 @@ from connectors.opendal.config import (
     parse,
 )
 from connectors.opendal.errors import OPENDAL_ERRORS, errors_mapped, mapped
-from gateway.client_baseline import timed_put_get
+from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import BaseConnector, as_parts, read_limit
 from gateway.errors import CapacityError, ConfigError, CorruptObject, Unavailable
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
@@ -277,20 +276,27 @@ class OpendalConnector(BaseConnector):
 
     @classmethod
     async def raw_client_baseline(
-        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+        cls,
+        url: str,
+        options: Mapping[str, Any],
+        *,
+        size: int,
+        count: int,
+        concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of the plain ``AsyncOperator``: one ``write`` and one
         ``read`` per object, under ``kvgate-baseline-<random>/``, deleted afterwards."""
         settings = parse(url, options)
         op: opendal.AsyncOperator | None = operator(settings)
         assert op is not None
-        data = os.urandom(size)
+        objects = baseline_objects(size, payloads)
         # Flat names: concurrent PUTs into one new folder race to create it on WebDAV.
         names = [f"kvgate-baseline-{uuid.uuid4().hex[:12]}-{i}" for i in range(count)]
 
         async def put(i: int) -> None:
             assert op is not None
-            await op.write(names[i], data)
+            await op.write(names[i], objects[i % len(objects)])
 
         async def get(i: int) -> int:
             assert op is not None

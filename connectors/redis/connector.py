@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import builtins
 import logging
-import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Self
 
@@ -47,7 +46,7 @@ from connectors.redis.backend import RedisParts, write_check
 from connectors.redis.client import RedisClient
 from connectors.redis.config import MIN_PART_SIZE, RedisOptions, Target, resolve
 from connectors.redis.fastpath import FOREIGN, MISS, TOO_LARGE, FastPath
-from gateway.client_baseline import timed_put_get
+from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import Allocator, BaseConnector
 from gateway.errors import GatewayError
 from gateway.parts import INLINE, MANIFEST_SIZE, MalformedValue, StripedObjects, parse_head
@@ -253,12 +252,13 @@ class RedisConnector(BaseConnector):
         size: int,
         count: int,
         concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of plain redis-py: one SET and one GET per object."""
         opts = parse_options(RedisOptions, url, options)
         client = RedisClient(resolve(url, opts), opts)
         redis = client.redis
-        data = os.urandom(size)
+        objects = baseline_objects(size, payloads)
         keys = [f"kvgate-baseline/{i}" for i in range(count)]
 
         async def get(i: int) -> int | None:
@@ -267,7 +267,7 @@ class RedisConnector(BaseConnector):
 
         try:
             return await timed_put_get(
-                lambda i: redis.set(keys[i], data),
+                lambda i: redis.set(keys[i], objects[i % len(objects)]),
                 get,
                 size=size,
                 count=count,

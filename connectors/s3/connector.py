@@ -6,10 +6,9 @@ import asyncio
 import contextlib
 import functools
 import math
-import os
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 from botocore.exceptions import ClientError  # type: ignore[import-untyped]
@@ -23,7 +22,7 @@ from connectors.s3.download import download
 from connectors.s3.errors import is_missing, s3_errors
 from connectors.s3.upload import upload
 from connectors.s3_access import Location
-from gateway.client_baseline import timed_put_get
+from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import Allocator
 from gateway.errors import ConfigError
 from gateway.types import ObjectInfo
@@ -158,7 +157,14 @@ class S3Connector(ObjectStoreConnector):
 
     @classmethod
     async def raw_client_baseline(
-        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+        cls,
+        url: str,
+        options: Mapping[str, Any],
+        *,
+        size: int,
+        count: int,
+        concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of plain aioboto3: one put_object and one get_object plus
         ``Body.read()`` per object, on a client configured like the connector's."""
@@ -167,20 +173,27 @@ class S3Connector(ObjectStoreConnector):
             # aiohttp warns (ResourceWarning) about every bytes body over 1 MiB; the plain
             # client's way is exactly that, so the warning is expected here, not a fault.
             warnings.filterwarnings("ignore", "Sending a large body", ResourceWarning)
-            return await cls._raw_round_trips(location, opts, size, count, concurrency)
+            return await cls._raw_round_trips(location, opts, size, count, concurrency, payloads)
 
     @staticmethod
     async def _raw_round_trips(
-        location: Location, opts: S3Options, size: int, count: int, concurrency: int
+        location: Location,
+        opts: S3Options,
+        size: int,
+        count: int,
+        concurrency: int,
+        payloads: Sequence[bytes],
     ) -> tuple[float, float]:
-        data = os.urandom(size)
+        objects = baseline_objects(size, payloads)
         base = f"{location.prefix}kvgate-baseline/{uuid.uuid4().hex[:12]}-"
         keys = [f"{base}{i}" for i in range(count)]
         async with contextlib.AsyncExitStack() as stack:
             s3 = await open_client(new_session(opts), opts, stack)
 
             async def put(i: int) -> object:
-                return await s3.put_object(Bucket=location.bucket, Key=keys[i], Body=data)
+                return await s3.put_object(
+                    Bucket=location.bucket, Key=keys[i], Body=objects[i % len(objects)]
+                )
 
             async def get(i: int) -> int:
                 resp = await s3.get_object(Bucket=location.bucket, Key=keys[i])

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import os
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar, Self, cast
@@ -62,7 +61,7 @@ from connectors.valkey.config import (
     glide_config,
     parse_endpoint,
 )
-from gateway.client_baseline import timed_put_get
+from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import Allocator, BaseConnector
 from gateway.errors import GatewayError
 from gateway.parts import INLINE, MalformedValue, StripedObjects, size_of
@@ -250,14 +249,21 @@ class ValkeyConnector(BaseConnector):
 
     @classmethod
     async def raw_client_baseline(
-        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+        cls,
+        url: str,
+        options: Mapping[str, Any],
+        *,
+        size: int,
+        count: int,
+        concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of plain glide: one SET and one GET per object on one client,
         with ``request_timeout`` from the options (glide's 250 ms would fail large values)."""
         opts = parse_options(ValkeyOptions, url, options)
         endpoint = parse_endpoint(url, opts)
         client: Client = await create_client(glide_config(endpoint, opts), endpoint.display)
-        data = os.urandom(size)
+        objects = baseline_objects(size, payloads)
         keys = [f"kvgate-baseline/{uuid.uuid4().hex}/{i}" for i in range(count)]
 
         async def get(i: int) -> int | None:
@@ -267,7 +273,7 @@ class ValkeyConnector(BaseConnector):
         try:
             with glide_errors(endpoint.display):
                 rates = await timed_put_get(
-                    lambda i: client.set(keys[i], data),
+                    lambda i: client.set(keys[i], objects[i % len(objects)]),
                     get,
                     size=size,
                     count=count,

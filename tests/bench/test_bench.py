@@ -11,8 +11,9 @@ from servers.redis import RedisNode
 from typer.testing import CliRunner
 
 from connectors.redis import RedisConnector
-from gateway.bench.store import BenchResult, combine_runs, run_bench
+from gateway.bench.store import BenchResult, bench_sources, combine_runs, run_bench
 from gateway.cli.app import app
+from gateway.client_baseline import baseline_objects
 
 
 def _run(put: float, base_put: tuple[float, float], *, hits: int = 4) -> BenchResult:
@@ -97,29 +98,32 @@ def test_cli_direct_io_tier_has_an_o_direct_baseline(tmp_path: Path, nbytes: str
     assert data["baseline_get_gbps"] > 0
 
 
+@pytest.fixture
+def client_baseline_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The arguments of every call the bench makes to redis-py's baseline (which still runs)."""
+    calls: list[dict[str, Any]] = []
+    measure = RedisConnector.raw_client_baseline
+
+    async def recorded(
+        cls: type[RedisConnector], url: str, options: Any, **kwargs: Any
+    ) -> tuple[float, float]:
+        calls.append(kwargs)
+        return await measure(url, options, **kwargs)
+
+    monkeypatch.setattr(RedisConnector, "raw_client_baseline", classmethod(recorded))
+    return calls
+
+
 @pytest.mark.parametrize(("policy", "in_flight"), [("back", {1, 4}), ("through", {1})])
 async def test_the_client_baseline_puts_as_many_at_once_as_the_store(
-    redis_server: RedisNode, monkeypatch: pytest.MonkeyPatch, policy: str, in_flight: set[int]
+    redis_server: RedisNode,
+    client_baseline_calls: list[dict[str, Any]],
+    policy: str,
+    in_flight: set[int],
 ) -> None:
     """Write-back puts leave through the tier's 4 writers; a write-through put holds its caller
     (the bench's concurrency, 1) until the tier has it: the raw client gets the same number of
     puts in flight, or the ratio compares 4 streams with 1."""
-    asked: list[int] = []
-    measure = RedisConnector.raw_client_baseline
-
-    async def counted(
-        cls: type[RedisConnector],
-        url: str,
-        options: Any,
-        *,
-        size: int,
-        count: int,
-        concurrency: int,
-    ) -> tuple[float, float]:
-        asked.append(concurrency)
-        return await measure(url, options, size=size, count=count, concurrency=concurrency)
-
-    monkeypatch.setattr(RedisConnector, "raw_client_baseline", classmethod(counted))
     result = await run_bench(
         [redis_server.url],
         size=64 << 10,
@@ -130,4 +134,52 @@ async def test_the_client_baseline_puts_as_many_at_once_as_the_store(
     )
     assert result.get_hits == 8
     assert result.baseline_put_gbps > 0
-    assert set(asked) == in_flight
+    assert {call["concurrency"] for call in client_baseline_calls} == in_flight
+
+
+async def test_the_client_baseline_puts_the_stores_distinct_objects(
+    redis_server: RedisNode, client_baseline_calls: list[dict[str, Any]]
+) -> None:
+    """The raw client sends the objects the Store puts (distinct memory, like an engine's
+    chunks), not one object again and again, which a 1 MiB put would send from the CPU
+    cache."""
+    size, count = 64 << 10, 8
+    await run_bench([redis_server.url], size=size, count=count, kind="bytes", baseline="client")
+    rows = [row.tobytes() for row in bench_sources(size, count, 1)]
+    assert len(set(rows)) == count
+    assert client_baseline_calls
+    for call in client_baseline_calls:
+        assert list(call["payloads"]) == rows
+
+
+def test_baseline_objects_are_checked_or_made() -> None:
+    assert baseline_objects(3, [b"abc", b"def"]) == [b"abc", b"def"]
+    made = baseline_objects(5, [])
+    assert [len(m) for m in made] == [5]
+    with pytest.raises(ValueError, match="payload 1 is 2 bytes, not 3"):
+        baseline_objects(3, [b"abc", b"de"])
+
+
+async def test_a_baseline_without_payloads_still_runs(
+    redis_server: RedisNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin's ``raw_client_baseline`` written before ``payloads`` existed keeps working."""
+    measure = RedisConnector.raw_client_baseline
+    calls: list[int] = []
+
+    async def old_style(
+        cls: type[RedisConnector],
+        url: str,
+        options: Any,
+        *,
+        size: int,
+        count: int,
+        concurrency: int,
+    ) -> tuple[float, float]:
+        calls.append(size)
+        return await measure(url, options, size=size, count=count, concurrency=concurrency)
+
+    monkeypatch.setattr(RedisConnector, "raw_client_baseline", classmethod(old_style))
+    result = await run_bench([redis_server.url], size=64 << 10, count=4, baseline="client")
+    assert result.baseline_put_gbps > 0
+    assert calls

@@ -13,12 +13,12 @@ import asyncio
 import sqlite3
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from gateway.client_baseline import timed_put_get
+from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import Allocator, BaseConnector, as_parts, read_limit
 from gateway.errors import CapacityError, Unavailable
 from gateway.thread_jobs import in_thread
@@ -168,14 +168,22 @@ class SqliteConnector(BaseConnector):
 
     @classmethod
     async def raw_client_baseline(
-        cls, url: str, options: Mapping[str, Any], *, size: int, count: int, concurrency: int
+        cls,
+        url: str,
+        options: Mapping[str, Any],
+        *,
+        size: int,
+        count: int,
+        concurrency: int,
+        payloads: Sequence[bytes] = (),
     ) -> tuple[float, float]:
         """(put GB/s, get GB/s) of plain sqlite3 the obvious way: one connection (WAL) in one
         thread, ``INSERT OR REPLACE`` of the value and ``SELECT`` of it, one per object, in a
-        table of its own in the same file (dropped afterwards)."""
+        table of its own in the same file (dropped afterwards). Put i stores the bench's
+        ``payloads[i % len(payloads)]``, the objects the Store puts."""
         path, opts = parse_url(url), parse_options(url, options)
         table = f"baseline_{uuid.uuid4().hex[:12]}"
-        data = bytes(size)
+        objects = baseline_objects(size, payloads)
         pool = ThreadPoolExecutor(1, thread_name_prefix="kvgate-sqlite-baseline")
 
         def connect() -> sqlite3.Connection:
@@ -194,8 +202,9 @@ class SqliteConnector(BaseConnector):
             return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
         def put_one(i: int) -> None:
+            row = (i, objects[i % len(objects)])
             with conn:
-                conn.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", (i, data))  # noqa: S608
+                conn.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", row)  # noqa: S608
 
         def get_one(i: int) -> int | None:
             row = conn.execute(f"SELECT v FROM {table} WHERE k = ?", (i,)).fetchone()  # noqa: S608

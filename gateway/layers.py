@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from gateway.connector import Allocator, Connector, parts_len
+from gateway.deadlines import DeadlinePassed, Deadlines
 from gateway.errors import CircuitOpen, ConfigError, GatewayError, Timeout, Unavailable
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo, TierStats
 
@@ -160,21 +161,22 @@ class TimeoutLayer(Layer):
         if not seconds > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {seconds!r}")
         super().__init__(inner)
-        self.seconds = seconds
+        self._deadlines = Deadlines(seconds)
+
+    @property
+    def seconds(self) -> float:
+        return self._deadlines.seconds
 
     async def _call(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
-        deadline = asyncio.timeout(self.seconds)
         try:
-            async with deadline:
+            with self._deadlines.start():
                 return await call()
-        except TimeoutError as exc:
-            # Only our own deadline becomes Timeout; a TimeoutError the connector raised itself
-            # (a socket timeout is an OSError) passes on for the retry layer to judge.
-            if not deadline.expired():
-                raise
+        except DeadlinePassed as exc:
             raise Timeout(
                 f"{self.scheme}:// {op} did not finish within {self.seconds:g} s"
             ) from exc
+        # A TimeoutError the connector raised itself (a socket timeout is an OSError) is not
+        # a DeadlinePassed: it passes on for the retry layer to judge.
 
     def _describe(self) -> str:
         return f"{self.seconds:g}s"

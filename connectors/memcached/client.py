@@ -19,9 +19,9 @@ So this module speaks the few commands the connector needs itself:
   reply is ever read by another command and nothing is written into a caller's buffer after
   the call is over;
 - batches of parts are pipelined: a connection sends all its commands, then reads the
-  replies in order. Each batch runs under ``asyncio.timeout(timeout)``, re-armed by every
-  reply and every flushed slice: the timeout bounds time without progress, so a long batch
-  of large parts is not cut off, and a server that stops answering is;
+  replies in order. Each batch runs under a deadline of ``timeout`` (``gateway.deadlines``),
+  re-armed by every reply and every flushed slice: the timeout bounds time without progress,
+  so a long batch of large parts is not cut off, and a server that stops answering is;
 - replies are parsed strictly. A ``VALUE`` of another key or length than asked for, a bad
   line, or a connection that ends mid-reply (a truncated reply, a server that vanished) is an
   error and the connection is dropped; the caller's buffer then holds garbage and the
@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 from gateway.connector import Allocator, read_limit
+from gateway.deadlines import Deadlines
 from gateway.errors import CapacityError, GatewayError, Timeout, Unavailable
 from gateway.parts import MalformedValue, bounded_all
 from gateway.transport import stream_transport
@@ -244,16 +245,8 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.abort()
 
 
-class Progress:
-    """Re-arms a batch's deadline: the timeout bounds time without a reply, not batch length."""
-
-    def __init__(self, deadline: asyncio.Timeout, timeout: float) -> None:
-        self._deadline = deadline
-        self._timeout = timeout
-        self._loop = asyncio.get_running_loop()
-
-    def __call__(self) -> None:
-        self._deadline.reschedule(self._loop.time() + self._timeout)
+Progress = Callable[[], None]
+"""Re-arms a batch's deadline: the timeout bounds time without a reply, not batch length."""
 
 
 def _check_reply(line: bytes) -> bytes:
@@ -325,6 +318,7 @@ class MemcachedClient:
         self.stripes = stripes
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self._deadlines = Deadlines(timeout)  # one timer for every command's deadline
         self._slots = asyncio.Semaphore(pool_size)
         self._idle: list[Connection] = []
         self._closed = False
@@ -340,8 +334,8 @@ class MemcachedClient:
                     raise GatewayError(f"{self.name}: the connector is closed")
                 conn = self._idle_connection() or await self._connect()
                 try:
-                    async with asyncio.timeout(self.timeout) as deadline:
-                        yield conn, Progress(deadline, self.timeout)
+                    with self._deadlines.start() as deadline:
+                        yield conn, deadline.extend
                 except BaseException:
                     conn.abort()  # mid-sequence: its replies must never reach another command
                     raise

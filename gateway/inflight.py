@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
 
 
 class InFlight:
@@ -15,16 +13,21 @@ class InFlight:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @contextlib.contextmanager
-    def track(self) -> Iterator[None]:
+    def track(self) -> InFlight:
+        """``with in_flight.track():`` counts the block as one operation in flight."""
+        return self
+
+    # A class-based context manager, not a contextlib generator: every put and delete enters
+    # one, and the generator's machinery cost more than the counting.
+    def __enter__(self) -> None:
         self.count += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.count -= 1
-            if self.count == 0:
-                self._idle.set()
+        if self.count == 1:
+            self._idle.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
 
     async def wait_idle(self) -> None:
         await self._idle.wait()

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
@@ -250,12 +250,12 @@ class Store:
             except Exception as exc:
                 log.warning("tier %s: close failed: %s", tier.name, exc)
 
-    @contextlib.asynccontextmanager
-    async def _operation(self) -> AsyncIterator[None]:
-        """A put or delete: refused once closing began, and waited for by close()."""
+    async def _operation(self) -> InFlight:
+        """``with await self._operation():`` around a put or delete: refused once closing
+        began, and waited for by close(). (Not an async context manager: entering and leaving
+        one costs two coroutines on every put.)"""
         await self._ready()
-        with self._in_flight.track():
-            yield
+        return self._in_flight.track()
 
     async def _ready(self) -> None:
         if self._closed:
@@ -386,7 +386,7 @@ class Store:
             raise CapacityError(
                 f"object of {nbytes} bytes exceeds max_object_size ({self.config.max_object_size})"
             )
-        async with self._operation():
+        with await self._operation():
             # An explicit ttl applies everywhere; otherwise each tier uses its own default.
             expires_at = _expiry(ttl, None)
             if durable and self.l1 is None and self.tiers and data.host_ready:
@@ -644,7 +644,7 @@ class Store:
     async def delete(self, key: KeyLike) -> bool:
         """Remove ``key`` from every tier; True when any tier held it."""
         k = normalize_key(key)
-        async with self._operation():
+        with await self._operation():
             self._invalidate_fetch(k)
             removed = any(w.pending(k) is not None for w in self.writers)
             marks = [w.hold(k) for w in self.writers]  # every tier, before the first await

@@ -56,6 +56,7 @@ from connectors.fanout import run_all
 from connectors.redis.client import Endpoint, RedisClient
 from connectors.redis.resp import Incomplete, ProtocolError, command, parse_reply, set_command
 from gateway.connector import read_limit
+from gateway.deadlines import Deadlines
 from gateway.transport import stream_transport
 from gateway.types import Buffer
 
@@ -108,6 +109,7 @@ class FastConnection(asyncio.BufferedProtocol):
     def __init__(self, name: str, timeout: float) -> None:
         self.name = name
         self.timeout = timeout  # seconds for a whole request: writing it and its reply
+        self._deadlines = Deadlines(timeout)  # one timer, not one per request
         self.transport: asyncio.Transport | None = None
         self.usable = False
         self._scratch = bytearray(_SCRATCH)
@@ -417,7 +419,7 @@ class FastConnection(asyncio.BufferedProtocol):
         self._head.clear()
         self._state = state
         try:
-            async with asyncio.timeout(self.timeout):
+            with self._deadlines.start():
                 await self._write(chunks, waiter)
                 return await waiter
         except TimeoutError:

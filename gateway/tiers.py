@@ -322,7 +322,8 @@ class ConnectorTier:
         size = sum(p.nbytes for p in parts)
         if limit is not None and size > limit:
             raise CapacityError(f"{size} bytes exceed {self.name}'s object limit of {limit}")
-        await self._write_side_objects()
+        if self._side_objects:
+            await self._write_side_objects()
         head, _ = await offload(
             0 if checksum is not None else size,  # known checksum: nothing left to hash
             frame_head,

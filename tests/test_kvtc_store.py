@@ -19,9 +19,12 @@ from kvtc_data import ROPE, calibration_chunks, correlated_kv
 from servers.asgi import serve
 
 from gateway import Store
+from gateway.codec import encode_frame
 from gateway.frame import decode_frame
 from gateway.http.app import create_app
-from gateway.registry import connect
+from gateway.http.batch import entry_head
+from gateway.objects import to_object_data
+from gateway.registry import connect, load_codec
 from gateway.types import MemoryFormat
 from serde.kvtc import registry
 from serde.kvtc.fit import fit
@@ -220,6 +223,35 @@ async def test_the_http_position_header_reaches_the_codec(
             assert (await client.post("/v1/flush")).status_code < 300
     assert await stored_position(tmp_path, "at320") == 320
     assert await stored_position(tmp_path, "unknown") is None
+
+
+async def test_the_batch_put_positions_reach_the_codec(
+    tmp_path: Path, cal_file: tuple[Path, str]
+) -> None:
+    """``x-kvgate-positions``: one item per batch entry, in order; an empty item is unknown."""
+    chunks = [(f"batch{i}", correlated_kv(64, 128 * i, seed=80 + i)) for i in range(3)]
+    body = b""
+    for key, kv in chunks:
+        head, parts, _ = encode_frame(load_codec("raw"), to_object_data(kv, F.KV_2LTD), key)
+        frame = head + b"".join(bytes(p) for p in parts)
+        body += entry_head(key, len(frame)) + frame
+    frames = {"content-type": "application/vnd.kvgate.frames"}
+    app = create_app(config(tmp_path, calibration=str(cal_file[0])))
+    async for url in serve(app):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            for bad, says in (("0,128", "2 items for 3"), ("0,,x", "item 2"), ("0,1,2,3", "4")):
+                put = await client.post(
+                    "/v1/batch/put", content=body, headers=frames | {"x-kvgate-positions": bad}
+                )
+                assert put.status_code == 400, bad
+                assert "x-kvgate-positions" in put.json()["detail"]
+                assert says in put.json()["detail"]
+            put = await client.post(
+                "/v1/batch/put", content=body, headers=frames | {"x-kvgate-positions": "0, ,256"}
+            )
+            assert put.status_code == 204, put.text
+            assert (await client.post("/v1/flush")).status_code < 300
+    assert [await stored_position(tmp_path, key) for key, _ in chunks] == [0, None, 256]
 
 
 @pytest.mark.parametrize("durable", [False, True])

@@ -7,7 +7,8 @@ not stored has ``frame_len`` = 2**64 - 1 and no frame bytes. Frames are kvgate f
 (``gateway/frame.py``): self-describing and checksummed, encoded with the codec the request
 names in ``x-kvgate-codec`` (default raw). A batch put checks the whole body's layout before
 it stores anything; a frame that fails verification stops it there (the entries before it are
-stored, and the 400 names the entry).
+stored, and the 400 names the entry). ``x-kvgate-positions`` gives the entries' start positions
+(``Store.put``'s ``position``) in order, comma-separated, an empty item for an unknown one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from fastapi import APIRouter, Header, Request, Response
 from pydantic import BaseModel, Field
 
 from gateway.errors import CapacityError
-from gateway.http.body import FRAMES_TYPE, BadRequest, frame_object, read_body, read_json
+from gateway.http.body import (
+    FRAMES_TYPE,
+    BadRequest,
+    frame_object,
+    parse_positions,
+    read_body,
+    read_json,
+)
 from gateway.http.objects import (
     DURABLE_HEADER,
     PartsResponse,
@@ -33,6 +41,10 @@ from gateway.types import Buffer
 KEY_LEN = struct.Struct("<H")
 FRAME_LEN = struct.Struct("<Q")
 MISSING = 2**64 - 1
+POSITIONS_HEADER = (
+    "each entry's start in its token sequence, in order, comma-separated; an empty item is "
+    "unknown (kvtc undoes RoPE with them)"
+)
 
 
 class BatchGetRequest(BaseModel):
@@ -124,18 +136,23 @@ def batch_router() -> APIRouter:
     async def batch_put(
         request: Request,
         x_kvgate_durable: Annotated[str | None, Header(description=DURABLE_HEADER)] = None,
+        x_kvgate_positions: Annotated[str | None, Header(description=POSITIONS_HEADER)] = None,
     ) -> Response:
         """Store every entry of the body (each a key and its frame), in order."""
         state = state_of(request)
         durable = parse_durable(x_kvgate_durable)
         body = await read_body(request, state.max_body, state.body_pool, state.body_budget)
         try:
-            for i, (key, frame) in enumerate(split_entries(body.view)):
+            entries = split_entries(body.view)
+            positions = parse_positions(x_kvgate_positions, len(entries))
+            for i, ((key, frame), position) in enumerate(zip(entries, positions, strict=True)):
                 try:
                     obj, header = await frame_object(frame, state.codecs, state.max_body, key)
                 except BadRequest as exc:
                     raise BadRequest(f"batch entry {i}: {exc}") from None
-                await state.store.put(key, obj, fmt=header.fmt, ttl=header.ttl, durable=durable)
+                await state.store.put(
+                    key, obj, fmt=header.fmt, ttl=header.ttl, durable=durable, position=position
+                )
         finally:
             body.release()
         return Response(status_code=204)

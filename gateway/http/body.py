@@ -56,6 +56,7 @@ FRAMES_TYPE = "application/vnd.kvgate.frames"
 H_KIND, H_DTYPE, H_SHAPE = "x-kvgate-kind", "x-kvgate-dtype", "x-kvgate-shape"
 H_FORMAT, H_TTL = "x-kvgate-format", "x-kvgate-ttl"
 H_POSITION = "x-kvgate-position"
+H_POSITIONS = "x-kvgate-positions"  # a batch put's, one per entry
 H_CODEC, H_CODEC_OPTIONS = "x-kvgate-codec", "x-kvgate-codec-options"
 M = TypeVar("M", bound=BaseModel)
 MAX_CODECS = 32  # codec instances kept per (name, options); a bound, not a tuning knob
@@ -214,15 +215,29 @@ def parse_ttl(text: str | None) -> float | None:
         raise BadRequest(f"bad {H_TTL} header {text[:40]!r}: seconds, finite and > 0") from None
 
 
-def parse_position(text: str | None) -> int | None:
+def parse_position(text: str | None, header: str = H_POSITION) -> int | None:
     """``x-kvgate-position``: where a KV chunk starts in its token sequence (codecs such as
     kvtc undo RoPE on keys with it); absent is unknown."""
     if text is None:
         return None
     stripped = text.strip()
     if not stripped.isdigit() or not stripped.isascii() or len(stripped) > len(str(MAX_POSITION)):
-        raise BadRequest(f"bad {H_POSITION} header {text[:40]!r}: a token index, an int >= 0")
+        raise BadRequest(f"bad {header} header {text[:40]!r}: a token index, an int >= 0")
     return int(stripped)
+
+
+def parse_positions(text: str | None, count: int) -> list[int | None]:
+    """``x-kvgate-positions`` of a batch put: one item per entry, in order, comma-separated,
+    each a token index or empty (unknown); absent: every position unknown."""
+    if text is None or (count == 0 and not text.strip()):
+        return [None] * count
+    items = text.split(",", count)  # at most count + 1 items, whatever the header holds
+    if len(items) != count:
+        raise BadRequest(f"{H_POSITIONS} has {len(items)} items for {count} batch entries")
+    return [
+        None if not item.strip() else parse_position(item, f"{H_POSITIONS} item {i}")
+        for i, item in enumerate(items)
+    ]
 
 
 def parse_format(text: str | None) -> int:

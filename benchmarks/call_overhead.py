@@ -13,9 +13,10 @@ metrics), the whole stack, ``ConnectorTier.write`` (framing and checksum of the 
 cost, not the bytes'). With ``--tier URL`` (``--tier-options JSON``), ``Store.put``
 (write-through) and ``Store.get`` of ``--size`` objects against that tier, one at a time, fresh
 keys. Each figure is the median of ``--runs`` runs of ``--calls`` calls, as CPU time of the
-loop's thread (``time.thread_time``): on this shared 2-core VM wall time per call varies more
-than the costs compared, and a remote tier's wall time is mostly the server's. Compare
-figures within one run of the script.
+loop's thread (``time.thread_time``): on a shared machine wall time per call varies more than
+the costs compared, and a remote tier's wall time is mostly the server's. ``--loop uvloop``
+runs on the loop ``kvgate serve`` uses (asyncio's own by default). Compare figures within one
+run of the script.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from connectors.blackhole import BlackholeConnector
@@ -96,7 +97,7 @@ async def tier_costs(
     run_id = os.urandom(4).hex()
     config = {"tiers": [{"url": url, "options": options}], "write_policy": "through"}
     async with Store(config) as store:
-        keys = [f"call-overhead/{run_id}/{i}" for i in range((runs + 1) * calls + calls // 10)]
+        keys = [f"call-overhead/{run_id}/{i}" for i in range((runs + 1) * calls)]
 
         async def get(i: int) -> None:
             key = keys[calls + i % calls]  # the first timed run's puts
@@ -119,21 +120,25 @@ def main() -> None:
     parser.add_argument("--size", default="4KiB")
     parser.add_argument("--tier", help="a tier URL: Store put/get against it, not blackhole://")
     parser.add_argument("--tier-options", default="{}", help="its connector options (JSON)")
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     size = parse_size(args.size)
+    run: Callable[[Coroutine[Any, Any, dict[str, float]]], dict[str, float]] = asyncio.run
+    if args.loop == "uvloop":
+        import uvloop
+
+        run = uvloop.run
     if args.tier:
         calls = min(args.calls, 2000)  # each is a round trip
-        figures = asyncio.run(
-            tier_costs(args.tier, json.loads(args.tier_options), size, calls, args.runs)
-        )
+        figures = run(tier_costs(args.tier, json.loads(args.tier_options), size, calls, args.runs))
     else:
-        figures = asyncio.run(blackhole_costs(size, args.calls, args.runs))
+        figures = run(blackhole_costs(size, args.calls, args.runs))
     if args.json:
         print(json.dumps({"size": size, "us_loop_cpu_per_call": figures}))
         return
     where = args.tier or "blackhole://"
-    print(f"loop-thread CPU per call, {size}-byte objects, {where}")
+    print(f"loop-thread CPU per call, {size}-byte objects, {where}, {args.loop} loop")
     for name, micros in figures.items():
         print(f"  {name:22s} {micros:8.2f} us")
 

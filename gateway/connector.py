@@ -141,14 +141,18 @@ class Holding(Generic[V]):
     already has leaves it alone.
     """
 
-    __slots__ = ("_token", "_value", "_var")
+    __slots__ = ("_entered", "_token", "_value", "_var")
 
     def __init__(self, var: ContextVar[V], value: V) -> None:
         self._var = var
         self._value = value
         self._token: Token[V] | None = None
+        self._entered = False
 
     def __enter__(self) -> None:
+        if self._entered:  # one token per object: a second block would reset the wrong one
+            raise RuntimeError("a Holding block is entered once: make another")
+        self._entered = True
         if self._var.get() is not self._value:
             self._token = self._var.set(self._value)
 

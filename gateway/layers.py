@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from gateway.connector import Allocator, Connector, parts_len
-from gateway.deadlines import DeadlinePassed, Deadlines
+from gateway.deadlines import Deadlines
 from gateway.errors import CircuitOpen, ConfigError, GatewayError, Timeout, Unavailable
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo, TierStats
 
@@ -168,15 +168,19 @@ class TimeoutLayer(Layer):
         return self._deadlines.seconds
 
     async def _call(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
+        deadline = self._deadlines.start()
         try:
-            with self._deadlines.start():
+            with deadline:
                 return await call()
-        except DeadlinePassed as exc:
+        except TimeoutError as exc:
+            # Only our own deadline becomes Timeout (also when the connector turned its
+            # cancellation into a TimeoutError of its own); a TimeoutError the connector raised
+            # before it (a socket timeout is an OSError) passes on for the retry layer to judge.
+            if not deadline.expired:
+                raise
             raise Timeout(
                 f"{self.scheme}:// {op} did not finish within {self.seconds:g} s"
             ) from exc
-        # A TimeoutError the connector raised itself (a socket timeout is an OSError) is not
-        # a DeadlinePassed: it passes on for the retry layer to judge.
 
     def _describe(self) -> str:
         return f"{self.seconds:g}s"

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import pytest
 
+from connectors.memory import MemoryConnector
 from gateway.deadlines import DeadlinePassed, Deadlines
+from gateway.errors import Timeout
+from gateway.layers import TimeoutLayer
+from gateway.types import Buffer
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - the serve extra is not installed
+    uvloop = None  # type: ignore[assignment]
 
 pytestmark = pytest.mark.both_loops  # `kvgate serve` runs on uvloop, whose timers differ
 
@@ -141,3 +151,87 @@ async def test_extending_a_deadline_keeps_a_progressing_block_alive() -> None:
 
     with pytest.raises(DeadlinePassed):
         await stalls_after_progress()
+
+
+async def test_thousands_of_staggered_blocks_all_time_out() -> None:
+    """Batches of blocks a millisecond apart: the timer re-arms for deadlines due within a
+    millisecond, for which uvloop's call_at returns a plain Handle (no ``when()``)."""
+    deadlines = Deadlines(0.2)
+    outcomes: Counter[str] = Counter()
+
+    async def one() -> None:
+        try:
+            with deadlines.start():
+                await asyncio.sleep(5)
+            outcomes["done"] += 1
+        except DeadlinePassed:
+            outcomes["deadline"] += 1
+
+    tasks = []
+    for _ in range(200):
+        tasks += [asyncio.create_task(one()) for _ in range(100)]
+        await asyncio.sleep(0.001)
+    await asyncio.gather(*tasks)
+    assert outcomes == {"deadline": 20000}
+
+
+async def test_deadlines_shorter_than_a_millisecond() -> None:
+    deadlines = Deadlines(0.0004)
+    for outcome in await asyncio.gather(
+        *(run(deadlines, lambda: asyncio.sleep(0.05)) for _ in range(3)), return_exceptions=True
+    ):
+        assert isinstance(outcome, DeadlinePassed)
+
+
+async def test_a_deadline_is_entered_once() -> None:
+    deadline = Deadlines(1.0).start()
+    with deadline:
+        await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="entered once"), deadline:
+        pass
+
+
+async def test_the_timeout_layer_owns_a_timeout_error_raised_after_its_deadline() -> None:
+    """A connector that turns the deadline's cancellation into a TimeoutError of its own still
+    gives the caller the layer's Timeout; one raised before the deadline stays as it is."""
+
+    class Converting(MemoryConnector):
+        async def get(self, key: str) -> Buffer | None:
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                raise TimeoutError("the connector's own") from None
+            return None
+
+    with pytest.raises(Timeout, match="did not finish within"):
+        await TimeoutLayer(Converting(), 0.05).get("k")
+
+
+def test_one_deadlines_serves_loop_after_loop() -> None:
+    """Tests run one loop each, and a connector may outlive one: a timer armed on a closed
+    loop, or a block that loop left open, must not stop the next loop's deadlines."""
+    deadlines = Deadlines(0.1)
+
+    async def quick() -> None:
+        with deadlines.start():
+            await asyncio.sleep(0)
+
+    async def left_open() -> None:
+        async def hang() -> None:
+            with deadlines.start():
+                await asyncio.sleep(5)
+
+        asyncio.get_running_loop().create_task(hang())
+        await asyncio.sleep(0.01)  # the loop closes with that block still open
+
+    async def slow() -> float:
+        start = time.monotonic()
+        with pytest.raises(DeadlinePassed):
+            await asyncio.gather(*(run(deadlines, lambda: asyncio.sleep(5)) for _ in range(3)))
+        return time.monotonic() - start
+
+    runners = [asyncio.run] + ([uvloop.run] if uvloop is not None else [])
+    for runner in runners:
+        runner(quick())
+        runner(left_open())
+        assert runner(slow()) < 1.0

@@ -137,14 +137,15 @@ async def test_the_client_baseline_puts_as_many_at_once_as_the_store(
     assert {call["concurrency"] for call in client_baseline_calls} == in_flight
 
 
+@pytest.mark.parametrize("kind", ["bytes", "ndarray"])
 async def test_the_client_baseline_puts_the_stores_distinct_objects(
-    redis_server: RedisNode, client_baseline_calls: list[dict[str, Any]]
+    redis_server: RedisNode, client_baseline_calls: list[dict[str, Any]], kind: str
 ) -> None:
     """The raw client sends the objects the Store puts (distinct memory, like an engine's
     chunks), not one object again and again, which a 1 MiB put would send from the CPU
     cache."""
     size, count = 64 << 10, 8
-    await run_bench([redis_server.url], size=size, count=count, kind="bytes", baseline="client")
+    await run_bench([redis_server.url], size=size, count=count, kind=kind, baseline="client")
     rows = [row.tobytes() for row in bench_sources(size, count, 1)]
     assert len(set(rows)) == count
     assert client_baseline_calls

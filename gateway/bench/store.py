@@ -242,11 +242,21 @@ async def run_bench(
     # half as fast as the client).
     put_parallelism = concurrency if write_policy == "through" else writers
     objs = [_as_kind(row, kind) for row in sources]
-    measure = _Baselines(
-        put_base, get_base, root, sources, count, put_parallelism, concurrency, cold, client, direct
-    )
     # With bytes objects, the Store's objects are what a client baseline sends: no copy.
-    measure.payloads = [o for o in objs if isinstance(o, bytes)] if kind == "bytes" else None
+    payloads = [o for o in objs if isinstance(o, bytes)] if kind == "bytes" else None
+    measure = _Baselines(
+        put_base,
+        get_base,
+        root,
+        sources,
+        count,
+        put_parallelism,
+        concurrency,
+        cold,
+        client,
+        direct,
+        payloads,
+    )
     if root is not None:
         await asyncio.to_thread(settle_disk)  # start from a clean disk, like every phase after
     before = await measure()
@@ -410,13 +420,13 @@ class _Baselines:
     client: ClientBaseline | None
     direct: bool = False
 
+    # The sources as ``bytes`` (which every client library takes), when the bench has them;
+    # else a client measurement makes them and drops them after.
+    payloads: list[bytes] | None = None
+
     @property
     def size(self) -> int:
         return int(self.sources.shape[1])
-
-    payloads: list[bytes] | None = None
-    """The sources as ``bytes`` (which every client library takes), when the bench has them;
-    else a client measurement makes them and drops them after."""
 
     async def __call__(self) -> tuple[float, float]:
         rates: dict[str, tuple[float, float]] = {}

@@ -159,6 +159,37 @@ async def test_single_flight_shares_one_fetch() -> None:
         assert store.stats()["memory1"].latency["get"].n == 1
 
 
+async def test_a_cancelled_get_does_not_fail_the_gets_waiting_on_its_fetch() -> None:
+    backing = MemoryConnector()
+    slow = ChaosLayer(backing, latency=0.1)
+    async with Store(tiers("memory://", l1=1 << 20), connectors={1: slow}) as store:
+        await store.put("k", b"v" * 1000)
+        await store.flush()
+        assert store.l1 is not None
+        store.l1.remove("k")
+        first = asyncio.create_task(store.get("k"))  # runs the fetch
+        await asyncio.sleep(0.02)
+        waiting = [asyncio.create_task(store.get("k")) for _ in range(3)]
+        await asyncio.sleep(0.02)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await asyncio.gather(*waiting) == [b"v" * 1000] * 3
+        # One of the waiting gets fetched again and the others shared it: one read ended.
+        assert store.stats()["memory1"].latency["get"].n == 1
+        # A cancelled waiting get leaves the fetch to the others.
+        store.l1.remove("k")
+        fetching = asyncio.create_task(store.get("k"))
+        await asyncio.sleep(0.02)
+        leaving = asyncio.create_task(store.get("k"))
+        await asyncio.sleep(0.02)
+        leaving.cancel()
+        assert await fetching == b"v" * 1000
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert store.stats()["memory1"].latency["get"].n == 2
+
+
 async def test_failing_tier_is_a_miss_not_an_error() -> None:
     good = MemoryConnector()
     down = ChaosLayer(MemoryConnector(), down=True)

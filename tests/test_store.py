@@ -146,27 +146,30 @@ async def test_flush_and_close_drain_queued_writes() -> None:
     assert len(backing.objects) == 20
 
 
+async def _only_in_a_slow_tier(store: Store, key: str, value: bytes) -> None:
+    """Put ``key`` and drop it from the memory tier: a get must fetch it from tier 1."""
+    await store.put(key, value)
+    await store.flush()
+    assert store.l1 is not None
+    store.l1.remove(key)
+
+
+def _slow_store() -> Store:
+    slow = ChaosLayer(MemoryConnector(), latency=0.1)
+    return Store(tiers("memory://", l1=1 << 20), connectors={1: slow})
+
+
 async def test_single_flight_shares_one_fetch() -> None:
-    backing = MemoryConnector()
-    slow = ChaosLayer(backing, latency=0.1)
-    async with Store(tiers("memory://", l1=1 << 20), connectors={1: slow}) as store:
-        await store.put("k", b"v" * 1000)
-        await store.flush()
-        assert store.l1 is not None
-        store.l1.remove("k")
+    async with _slow_store() as store:
+        await _only_in_a_slow_tier(store, "k", b"v" * 1000)
         results = await asyncio.gather(*(store.get("k") for _ in range(10)))
         assert all(r == b"v" * 1000 for r in results)
         assert store.stats()["memory1"].latency["get"].n == 1
 
 
 async def test_a_cancelled_get_does_not_fail_the_gets_waiting_on_its_fetch() -> None:
-    backing = MemoryConnector()
-    slow = ChaosLayer(backing, latency=0.1)
-    async with Store(tiers("memory://", l1=1 << 20), connectors={1: slow}) as store:
-        await store.put("k", b"v" * 1000)
-        await store.flush()
-        assert store.l1 is not None
-        store.l1.remove("k")
+    async with _slow_store() as store:
+        await _only_in_a_slow_tier(store, "k", b"v" * 1000)
         first = asyncio.create_task(store.get("k"))  # runs the fetch
         await asyncio.sleep(0.02)
         waiting = [asyncio.create_task(store.get("k")) for _ in range(3)]
@@ -178,13 +181,13 @@ async def test_a_cancelled_get_does_not_fail_the_gets_waiting_on_its_fetch() -> 
         # One of the waiting gets fetched again and the others shared it: one read ended.
         assert store.stats()["memory1"].latency["get"].n == 1
         # A cancelled waiting get leaves the fetch to the others.
-        store.l1.remove("k")
+        await _only_in_a_slow_tier(store, "k", b"w" * 1000)
         fetching = asyncio.create_task(store.get("k"))
         await asyncio.sleep(0.02)
         leaving = asyncio.create_task(store.get("k"))
         await asyncio.sleep(0.02)
         leaving.cancel()
-        assert await fetching == b"v" * 1000
+        assert await fetching == b"w" * 1000
         with pytest.raises(asyncio.CancelledError):
             await leaving
         assert store.stats()["memory1"].latency["get"].n == 2

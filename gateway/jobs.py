@@ -19,7 +19,8 @@ newer one or after a delete.
 A key is *stale* in a tier while the tier may hold an older version than the newest accepted:
 from the moment a hold is taken until its operation succeeds, and after a write that was
 skipped by back-pressure, failed or was cancelled. The store never reads a stale key from that
-tier; the next successful write or delete of the key clears it.
+tier; the next successful write or delete of the key clears it, and a clean close deletes the
+keys still stale from the tier (``scrub``), since a later store would not know them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from gateway.tiers import ConnectorTier
 log = logging.getLogger("kvgate.jobs")
 
 MAX_STALE_KEYS = 1 << 20  # past this, a full queue makes puts wait instead of skipping
+SCRUB_SECONDS = 10.0  # what a clean close spends on a tier's stale keys at most (``scrub``)
+SCRUB_BATCH = 1024  # keys asked about in one existence check while scrubbing
 
 
 SUPERSEDED_POLL = 0.05  # seconds: how soon a waiting write notices it was superseded
@@ -281,6 +284,41 @@ class TierWriter:
         more = f" ({quiet} more such failures since the last line)" if quiet else ""
         log.warning("tier %s: write failed (%s): %s%s", self.tier.name, exc.kind, exc, more)
 
+    async def scrub(self, seconds: float = SCRUB_SECONDS) -> None:
+        """Delete from the tier the keys it may hold older versions of (``stale``), once
+        nothing else writes to it: at a clean close.
+
+        Only this process knows which keys are stale (a write of them failed or was skipped,
+        or a delete failed), and a disk tier keeps its files across a restart, a remote tier
+        outlives the process: a store opened on them later would serve those versions. Keys
+        the tier does not hold are only forgotten. What is not done within ``seconds`` (the
+        tier is down, or there are very many) is logged; a crash skips this, and then a later
+        store can serve an older version, as after any write-back put lost in a crash.
+        """
+        keys = [key for key in self.stale if key not in self.latest]
+        left = len(keys)
+        if not keys:
+            return
+        try:
+            async with asyncio.timeout(seconds):
+                for start in range(0, len(keys), SCRUB_BATCH):
+                    batch = keys[start : start + SCRUB_BATCH]
+                    held = await self.tier.exists_many(batch)
+                    for key, there in zip(batch, held, strict=True):
+                        if there:
+                            await self.tier.delete(key)
+                        self.stale.discard(key)
+                        left -= 1
+        except (GatewayError, TimeoutError) as exc:
+            log.warning(
+                "tier %s: %d keys it may hold older versions of (a write or delete of them "
+                "failed or was skipped) were not deleted at close (%s); a store opened on this "
+                "tier later may serve those versions",
+                self.tier.name,
+                left,
+                exc if isinstance(exc, GatewayError) else f"over {seconds:g} s",
+            )
+
     def _finish(self, job: WriteJob) -> None:
         if job.done.is_set():
             return
@@ -299,12 +337,13 @@ class TierWriter:
         await self.queue.join()
 
     async def close(self) -> None:
-        """Refuse new jobs, drain the queue, then stop the workers."""
+        """Refuse new jobs, drain the queue, stop the workers, then ``scrub``."""
         self.closed = True
         await self.drain()
         for _ in self._workers:
             await self.queue.put(None)
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers = []
+        await self.scrub()
         for kind, n in self.failures.unlogged().items():
             log.warning("tier %s: %d more write failures (%s) not logged", self.tier.name, n, kind)

@@ -672,13 +672,20 @@ class Store:
         return (await self.lookup([k])) == 1
 
     async def delete(self, key: KeyLike) -> bool:
-        """Remove ``key`` from every tier; True when any tier held it."""
+        """Remove ``key`` from every tier; True when any tier held it.
+
+        Every tier is tried; if any failed, the first failure is raised after the others were
+        tried. A tier whose delete failed is not read for the key (it may still hold it) until
+        a later write or delete of it succeeds, and a clean ``close`` deletes it there again
+        (``TierWriter.scrub``), so that a store opened later does not serve it.
+        """
         k = normalize_key(key)
         with await self._operation():
             self._invalidate_fetch(k)
             removed = any(w.pending(k) is not None for w in self.writers)
             marks = [w.hold(k) for w in self.writers]  # every tier, before the first await
             removed = (self.l1.remove(k) if self.l1 is not None else False) or removed
+            failed: GatewayError | None = None
             try:
                 for writer, mark in zip(self.writers, marks, strict=True):
                     ok = False
@@ -691,11 +698,14 @@ class Store:
                         log.warning(
                             "tier %s: delete failed (%s): %s", writer.tier.name, exc.kind, exc
                         )
+                        failed = failed or exc
                     finally:
                         writer.release(k, mark, ok)
             finally:  # cancelled or failed midway: the later tiers' holds end too
                 for writer, mark in zip(self.writers, marks, strict=True):
                     writer.release(k, mark, False)
+            if failed is not None:
+                raise failed
             return removed
 
     async def lookup(self, keys: Sequence[KeyLike]) -> int:

@@ -131,6 +131,11 @@ class TierWriter:
         older versions of is still bounded."""
         return self.backpressure == "skip" and len(self.stale) < MAX_STALE_KEYS
 
+    def behind(self) -> bool:
+        """Whether a write now would wait for this tier: its queue is full, or every worker
+        is busy with a write."""
+        return self.queue.full() or self.in_flight - self.queue.qsize() >= self._n_workers
+
     def _over_pin_limit(self, job: WriteJob) -> bool:
         others = self.pinned - job.slab.size
         return self.pin_limit is not None and others > 0 and self.pinned > self.pin_limit

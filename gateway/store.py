@@ -101,6 +101,10 @@ class Store:
         self.pool: BufferPool | None = None
         self._fetching: dict[str, _Fetch] = {}
         self._in_flight = InFlight()  # puts and deletes in progress; close() waits for them
+        # Puts holding a slab they have not handed to the memory tier or the queues yet: a put
+        # that finds the pool full waits for them rather than failing (they end soon, and the
+        # memory tier can then evict what they put).
+        self._filling = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._space = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -334,8 +338,8 @@ class Store:
                 return slab
             if self._skip_queued_write():
                 continue
-            if not self._waited_writes_in_flight():
-                return None
+            if not self._waited_writes_in_flight() and not self._filling:
+                return None  # nothing under way will free or release memory
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return None
@@ -402,6 +406,7 @@ class Store:
             if slab is None:
                 await self._put_direct(k, data, expires_at, durable=durable)
                 return
+            self._filling += 1
             try:  # the put's own slab reference, released below whatever happens
                 # offload copies on the loop below OFFLOAD_BYTES even while lower tiers' writes
                 # keep the loop busy: 1 MiB puts into Redis or memory + disk took 0.1-0.4 ms
@@ -430,6 +435,8 @@ class Store:
                     await self._queue_writes(k, data, slab, expires_at)
             finally:
                 slab.release()
+                self._filling -= 1
+                self._space.set()  # its slab is the memory tier's now, which can evict it
 
     async def _queue_writes(
         self, key: str, data: ObjectData, slab: Slab, expires_at: float | None
@@ -479,14 +486,23 @@ class Store:
         """Write ``data`` to every lower tier now, in order with the key's queued writes.
 
         Raises the first failing tier's error when ``durable``; otherwise only when no tier
-        took the object (a put too big for the pool then has nowhere to be).
+        took the object (a put too big for the pool then has nowhere to be). Not durable, a
+        ``skip`` tier that is behind (``TierWriter.behind``) is skipped, as its queue would
+        skip it, unless every tier is: a put must not wait for a stalled tier it may skip.
         """
         marks = [w.hold(key) for w in self.writers]  # every tier, before the first await
+        skipping = [] if durable else [w for w in self.writers if w.can_skip() and w.behind()]
+        if len(skipping) == len(self.writers):
+            skipping = []  # at least one tier must take an object the pool could not
+        for writer in skipping:
+            writer.tier.stats.skipped_writes += 1
         ttl = None if expires_at is None else max(expires_at - time.time(), 0.001)
 
         async def write(writer: TierWriter, mark: Hold) -> GatewayError | None:
             ok = False
             try:
+                if writer in skipping:
+                    return None  # the hold marked the key stale there; released below
                 if not await writer.acquire(key, mark):
                     return None  # a newer put or delete of the key superseded this one
                 error = await writer.write_now(key, data, ttl)
@@ -508,7 +524,7 @@ class Store:
             for writer, mark in zip(self.writers, marks, strict=True):
                 writer.release(key, mark, False)
         failed = [e for e in errors if e is not None]
-        if failed and (durable or len(failed) == len(errors)):
+        if failed and (durable or len(failed) == len(errors) - len(skipping)):
             raise failed[0]
 
     async def put_many(

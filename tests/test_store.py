@@ -492,3 +492,13 @@ async def test_stored_in_memory_answers_only_what_the_memory_tier_holds() -> Non
     async with Store({"tiers": [{"url": lower}]}) as no_memory_tier:
         assert await no_memory_tier.get_stored("k") is not None  # the lower tier holds it
         assert no_memory_tier.stored_in_memory("k") is None
+
+
+async def test_concurrent_puts_wait_for_each_others_copies_instead_of_failing() -> None:
+    # 4 puts of 7 MiB into a 24 MiB memory-only store: each fits once the cache evicts, but
+    # together their copies in progress hold more than the pool; none may fail for that.
+    objs = [np.full(7 << 20, i, dtype=np.uint8) for i in range(8)]
+    async with Store({"tiers": [{"url": "memory://", "capacity": 24 << 20}]}) as store:
+        for rnd in range(12):
+            puts = (store.put(f"r{rnd}-{j}", objs[(rnd + j) % 8]) for j in range(4))
+            await asyncio.gather(*puts)

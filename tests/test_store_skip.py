@@ -8,13 +8,18 @@ answers) and resumed with SIGCONT, always, before the test ends.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from servers.gated import Gated
 from servers.redis import RedisNode
 
+from connectors.memory import MemoryConnector
 from gateway import Store
+from gateway.layers import ChaosLayer
 from gateway.types import BufferParts
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -124,3 +129,29 @@ async def test_lookup_counts_objects_still_staged_without_a_memory_tier() -> Non
         lower.gate.set()
         await store.flush()
         assert await store.lookup(["k"]) == 1
+
+
+async def test_a_put_too_big_to_stage_skips_a_skip_tier_that_is_behind(tmp_path: Path) -> None:
+    # An object larger than the pool is written to the lower tiers at once; a ``skip`` tier
+    # whose workers are all stuck must be skipped then too, as its queue would skip it.
+    stalled = ChaosLayer(MemoryConnector(), latency=30.0)
+    cfg = {
+        "tiers": [
+            {"url": "memory://", "capacity": 8 << 20},
+            {"url": f"file://{tmp_path}", "options": {"fsync": False}},
+            {"url": "memory://", "timeout": 1.0, "backpressure": "skip", "workers": 2},
+        ],
+    }
+    async with Store(cfg, connectors={2: stalled}) as store:
+        for i in range(4):  # the stalled tier's two workers take the first two and hang
+            await store.put(f"small{i}", b"s" * 1000)
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        await store.put("big", np.full(12 << 20, 7, dtype=np.uint8))
+        assert time.monotonic() - start < 0.5
+        assert store.stats()["memory2"].skipped_writes >= 1
+        found = await store.get("big")
+        assert isinstance(found, np.ndarray)
+        assert found.nbytes == 12 << 20
+        assert found[0] == 7
+        stalled.latency = 0.0

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connectors.fs.connector import FileConnector
-from gateway.errors import CapacityError, ConfigError, GatewayError
+from gateway import Store
+from gateway.errors import CapacityError, ConfigError, CorruptObject, GatewayError
 from gateway.testing import assert_same_bytes, listed, make_bytes
 
 KiB = 1 << 10
@@ -124,6 +125,8 @@ async def test_broken_record_found_at_start_is_quarantined(tmp_path: Path, mangl
     mangle(Path(conn.path_for("bad")))
 
     conn = FileConnector(tmp_path)
+    with pytest.raises(CorruptObject):  # the store counts it as corrupt, then a miss
+        await conn.get("bad")
     assert await conn.get("bad") is None
     assert not await conn.exists("bad")
     assert conn.corrupt_files == 1
@@ -143,10 +146,10 @@ async def test_broken_record_found_by_a_read_is_a_miss(
     conn = FileConnector(tmp_path)
     await conn.put("bad", b"x" * 100)
     mangle(Path(conn.path_for("bad")))
-    if read == "get":
-        assert await conn.get("bad") is None
-    else:
-        assert await conn.get_into("bad", lambda n: memoryview(bytearray(n))) is None
+    reading = conn.get("bad") if read == "get" else conn.get_into("bad", _new_buffer)
+    with pytest.raises(CorruptObject):  # the store counts it as corrupt, then a miss
+        await reading
+    assert await conn.get("bad") is None
     assert not await conn.exists("bad")
     assert conn.corrupt_files == 1
     assert conn.usage() == (0, None)
@@ -156,13 +159,33 @@ async def test_broken_record_found_by_a_read_is_a_miss(
     await conn.close()
 
 
+@pytest.mark.parametrize("mangle", MANGLERS)
+async def test_the_store_counts_a_broken_file_as_corrupt(tmp_path: Path, mangle: object) -> None:
+    assert callable(mangle)
+    probe = FileConnector(tmp_path)  # where the tier will keep the key
+    path = Path(probe.path_for("bad"))
+    await probe.close()
+    config = {"tiers": [{"url": f"file://{tmp_path}"}], "staging": 1 << 20}
+    async with Store(config) as store:
+        await store.put("bad", b"x" * 1000)
+        await store.flush()
+        mangle(path)
+        assert await store.get("bad") is None
+        assert store.stats()["file"].corrupt == 1
+
+
+def _new_buffer(nbytes: int) -> memoryview:
+    return memoryview(bytearray(nbytes))
+
+
 async def test_another_keys_record_is_a_miss_not_its_data(tmp_path: Path) -> None:
     conn = FileConnector(tmp_path)
     await conn.put("a", b"value of a")
     await conn.put("b", b"value of b")
     # What a hash collision looks like from a reader's side: a's path holds b's record.
     os.replace(conn.path_for("b"), conn.path_for("a"))
-    assert await conn.get("a") is None
+    with pytest.raises(CorruptObject):
+        await conn.get("a")
     assert not await conn.exists("a")
     await conn.close()
 

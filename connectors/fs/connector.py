@@ -93,7 +93,7 @@ from gateway.connector import (
     fill_hook,
     placement_hook,
 )
-from gateway.errors import CapacityError, ConfigError, GatewayError, Unavailable
+from gateway.errors import CapacityError, ConfigError, CorruptObject, GatewayError, Unavailable
 from gateway.inflight import InFlight
 from gateway.policies import EvictionPolicy, make_policy
 from gateway.thread_jobs import in_thread
@@ -470,7 +470,11 @@ class FileConnector(BaseConnector):
                         self._refuse_direct("a read")  # then read it again, buffered
                         direct, place = False, None
             except _UNREADABLE:
-                await self._forget_unreadable(key)
+                if await self._forget_unreadable(key):
+                    raise CorruptObject(
+                        f"{self!r}: the file of {key!r} was not a whole record of it "
+                        "(moved to quarantine/)"
+                    ) from None
                 return None
             except OSError as exc:
                 raise Unavailable(f"{self!r}: reading {key!r}: {exc}") from exc
@@ -481,8 +485,10 @@ class FileConnector(BaseConnector):
         if self._policy is not None and self._index is not None and key in self._index:
             self._policy.touch(key)
 
-    async def _forget_unreadable(self, key: str) -> None:
+    async def _forget_unreadable(self, key: str) -> bool:
         """A read failed: look again under the key's lock, and drop the key if it is gone.
+        True when the file was broken (it is quarantined now): the store counts that as a
+        corrupt object, not a plain miss.
 
         A put may have replaced the file since the read, hence the second look; a broken file
         is quarantined, another key's file (a hash collision) is left alone.
@@ -497,6 +503,7 @@ class FileConnector(BaseConnector):
                 self.corrupt_files += 1
             if not (isinstance(found, rec.Record) and found.key == key):
                 self._forget(key)
+            return found is _QUARANTINED
 
     def _recheck(self, name: Name) -> rec.Record | _Quarantined | None:
         """_check_file of ``name``, where a link (on the way or in its place) counts as no file."""

@@ -18,8 +18,9 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from gateway.errors import (
     CapacityError,
@@ -98,6 +99,17 @@ def _add_error_handlers(app: FastAPI) -> None:
         # Starlette's own: unknown route (404), wrong method (405).
         kind = NotFound.kind if exc.status_code == 404 else "http"
         return error_response(kind, str(exc.detail), exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, _: ClientDisconnect) -> Response:
+        # The client left mid-body: not the server's fault, and no one reads the answer (its
+        # status is never sent). What was read of the body is already given back (``read_body``
+        # releases it as it fails), and handled here the error is not re-raised for uvicorn to
+        # log as a crash.
+        log.debug(
+            "client left before its request body arrived: %s %s", request.method, request.url.path
+        )
+        return Response(status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:

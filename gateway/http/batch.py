@@ -13,7 +13,6 @@ stored, and the 400 names the entry). ``x-kvgate-positions`` gives the entries' 
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from typing import Annotated, Any
 
@@ -36,6 +35,7 @@ from gateway.http.objects import (
     parse_durable,
 )
 from gateway.http.state import MAX_BATCH_KEYS, state_of
+from gateway.objects import ObjectData
 from gateway.types import Buffer
 
 KEY_LEN = struct.Struct("<H")
@@ -110,19 +110,23 @@ def batch_router() -> APIRouter:
         """Frames of the keys asked for, in order; misses marked (see the batch format)."""
         state = state_of(request)
         asked = await read_json(request, state.max_json, BatchGetRequest)
-        found = await asyncio.gather(*(state.store.get_stored(k) for k in asked.keys))
+        # One key at a time, the answer's size counted as it grows: what the request holds
+        # stays within the limit plus one object, and a refusal stops reading at once (all
+        # keys fetched together read every one of them before the size could be checked).
+        found: list[ObjectData] = []
         parts: list[Buffer] = []
         total = 0
-        for key, hit in zip(asked.keys, found, strict=True):
+        for key in asked.keys:
+            hit = await state.store.get_stored(key)
             if hit is None:
                 parts.append(entry_head(key, MISSING))
                 continue
-            # ``found`` (kept by the response) holds each pool lease while the frames are sent.
             frame, _ = await frame_parts(state, key, hit, x_kvgate_codec, x_kvgate_codec_options)
             size = sum(memoryview(p).nbytes for p in frame)
             total += size
             if total > state.max_body:  # the answer is bounded like a request body
                 raise CapacityError(f"batch answer exceeds {state.max_body} bytes: ask fewer")
+            found.append(hit)  # kept by the response: each pool lease while the frames are sent
             parts += [entry_head(key, size), *frame]
         return PartsResponse(parts, media_type=FRAMES_TYPE, headers={}, keep=found)
 

@@ -20,7 +20,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from gateway.codec import Codec, decode_payload
-from gateway.codec_chain import stage_names
 from gateway.errors import (
     CapacityError,
     ConfigError,
@@ -32,6 +31,7 @@ from gateway.errors import (
 )
 from gateway.frame import FrameHeader, decode_frame, parse_header
 from gateway.http.byte_budget import ByteBudget
+from gateway.http.codec_options import Fetch, check_client_options, load_named, refuse_keyed
 from gateway.keys import normalize_key
 from gateway.memory import BufferPool, Slab
 from gateway.object_meta import (
@@ -46,7 +46,7 @@ from gateway.object_meta import (
 )
 from gateway.object_meta import ObjectMeta as Meta
 from gateway.objects import HAS_TORCH, to_object
-from gateway.registry import codec_class, load_codec
+from gateway.registry import load_codec
 from gateway.staging_allowance import StagingAllowance
 from gateway.tiers import INLINE_CODECS, offload
 from gateway.types import BYTE_KINDS, OBJECT_KINDS, ObjectKind
@@ -304,7 +304,9 @@ def meta_headers(meta: Meta) -> dict[str, str]:
 
 
 class Codecs:
-    """Codec instances by (name, options), bounded; unknown names are the client's error."""
+    """Codec instances by (name, options), bounded; unknown names are the client's error.
+
+    Options come from clients: none may name a file (``gateway.http.codec_options``)."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple[str, str], Codec] = {}
@@ -314,14 +316,10 @@ class Codecs:
         cached = self._cache.get((name, options_json))
         if cached is not None:
             return cached
+        options = _parse_options(options_json)
         try:
-            options = json.loads(options_json)
-        except ValueError:
-            raise BadRequest(f"bad {H_CODEC_OPTIONS} header: not JSON") from None
-        if not isinstance(options, dict):
-            raise BadRequest(f"bad {H_CODEC_OPTIONS} header: a JSON object")
-        try:
-            _refuse_keyed(name)
+            refuse_keyed(name)
+            check_client_options(name, options)
             codec = load_codec(name, **options)
         except (NotFound, ConfigError) as exc:  # the client named it in a header
             raise BadRequest(str(exc)) from None
@@ -332,18 +330,25 @@ class Codecs:
         self._cache[(name, options_json)] = codec
         return codec
 
+    async def for_client(self, name: str, options_json: str | None, fetch: Fetch) -> Codec:
+        """``get``, once what the options name by hash (a kvtc calibration) is loaded from
+        the store's tiers through ``fetch``, if they hold it."""
+        if (name, options_json or "{}") not in self._cache:
+            try:
+                await load_named(name, _parse_options(options_json or "{}"), fetch)
+            except ConfigError as exc:
+                raise BadRequest(str(exc)) from None
+        return self.get(name, options_json)
 
-def _refuse_keyed(name: str) -> None:
-    """A keyed codec (``aesgcm``) is never built for a client: its options would make the
-    server read a key file or variable of the client's choosing, and a frame it encrypted
-    must reach the backend as it is, not decrypted here. Such a frame PUT by a
-    ``gateway://`` tier is refused, and the tier then stores it as opaque bytes."""
-    for stage in stage_names(name):
-        if getattr(codec_class(stage), "keyed", False):
-            raise ConfigError(
-                f"codec {stage!r} holds keys: this gateway neither encrypts nor decrypts for "
-                "clients (encrypt in the client's own tier; its frames are stored as they are)"
-            )
+
+def _parse_options(options_json: str) -> dict[str, Any]:
+    try:
+        options = json.loads(options_json)
+    except ValueError:
+        raise BadRequest(f"bad {H_CODEC_OPTIONS} header: not JSON") from None
+    if not isinstance(options, dict):
+        raise BadRequest(f"bad {H_CODEC_OPTIONS} header: a JSON object")
+    return options
 
 
 def _decode_frame_object(

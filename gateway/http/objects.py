@@ -12,13 +12,14 @@ store's memory without joining or copying (a tensor's bytes go to the socket as 
 from __future__ import annotations
 
 from typing import Annotated, Any
+from urllib.parse import unquote_to_bytes
 
-from fastapi import APIRouter, Header, Path, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
 from gateway.codec import encode_frame
-from gateway.errors import NotFound
+from gateway.errors import InvalidKey, NotFound
 from gateway.http.body import (
     FRAME_TYPE,
     BadRequest,
@@ -82,7 +83,7 @@ async def frame_parts(
 ) -> tuple[list[Buffer], dict[str, str]]:
     """The frame of ``data`` encoded with the named codec, bound to ``key``: head and payload
     parts."""
-    chosen = state.codecs.get(codec or "raw", options)
+    chosen = await state.codecs.for_client(codec or "raw", options, state.store.get_stored)
     slow = chosen.name not in INLINE_CODECS or not data.on_host
     bound = normalize_key(key)
     head, parts, _ = await offload(data.meta.nbytes, encode_frame, chosen, data, bound, device=slow)
@@ -151,20 +152,41 @@ _EXISTS_BODY: dict[str, Any] = {
 
 Str = str | None
 KeyPath = Annotated[str, Path(description="the key: LMCache's form or printable UTF-8")]
+OBJECTS = "/v1/objects/"
+
+
+async def object_key(key: KeyPath, request: Request) -> str:
+    """The key in the path; ``InvalidKey`` when its percent-decoded bytes are not UTF-8.
+
+    The server decodes the path with replacement characters, so ``k%FF`` and ``k%FE`` would
+    both arrive as ``k`` and U+FFFD, and name one object: the raw path is checked instead.
+    (async: FastAPI runs a plain function dependency in a thread.)"""
+    raw = request.scope.get("raw_path")
+    if isinstance(raw, bytes):
+        decoded = unquote_to_bytes(raw)
+        try:
+            decoded.decode()
+        except UnicodeDecodeError:
+            shown = decoded.partition(OBJECTS.encode())[2][:120]
+            raise InvalidKey(f"key {shown!r} is not UTF-8 (once percent-decoded)") from None
+    return key
+
+
+ObjectKey = Annotated[str, Depends(object_key)]
 
 
 def object_router() -> APIRouter:
     router = APIRouter(tags=["objects"])
 
     @router.put(
-        "/v1/objects/{key:path}",
+        OBJECTS + "{key:path}",
         status_code=204,
         response_class=Response,
         openapi_extra=_OBJECT_BODY,
         responses={413: {"description": "Body over the limit"}},
     )
     async def put_object(
-        key: KeyPath,
+        key: ObjectKey,
         request: Request,
         content_type: Annotated[Str, Header()] = None,
         x_kvgate_kind: Annotated[Str, Header(description="tensor, ndarray or bytes")] = None,
@@ -208,9 +230,9 @@ def object_router() -> APIRouter:
             body.release()  # the store copied the object, or holds the staged slab itself
         return Response(status_code=204)
 
-    @router.get("/v1/objects/{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
+    @router.get(OBJECTS + "{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
     async def get_object(
-        key: KeyPath,
+        key: ObjectKey,
         request: Request,
         accept: Annotated[Str, Header()] = None,
         x_kvgate_codec: Annotated[Str, Header(description="codec of a frame answer")] = None,
@@ -229,8 +251,8 @@ def object_router() -> APIRouter:
             return PartsResponse(parts, media_type=FRAME_TYPE, headers=headers | more, keep=data)
         return PartsResponse([data.host()], media_type=OCTETS, headers=headers, keep=data)
 
-    @router.head("/v1/objects/{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
-    async def head_object(key: KeyPath, request: Request) -> Response:
+    @router.head(OBJECTS + "{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
+    async def head_object(key: ObjectKey, request: Request) -> Response:
         """The headers a plain GET would answer, without the body."""
         store = state_of(request).store
         found = await store.get_stored(key)
@@ -241,12 +263,12 @@ def object_router() -> APIRouter:
         return Response(status_code=200, headers=headers, media_type=OCTETS)
 
     @router.delete(
-        "/v1/objects/{key:path}",
+        OBJECTS + "{key:path}",
         status_code=204,
         response_class=Response,
         responses={404: {"description": "Not stored"}},
     )
-    async def delete_object(key: KeyPath, request: Request) -> Response:
+    async def delete_object(key: ObjectKey, request: Request) -> Response:
         """Remove the object from every tier (204), or 404 when no tier held it."""
         if not await state_of(request).store.delete(key):
             raise NotFound(f"no object under key {key!r}")

@@ -585,6 +585,30 @@ class Store:
         found = await self._fetch_shared(k)
         return None if found is None else ObjectData(found.meta, found.stored_bytes())
 
+    async def stat(self, key: KeyLike) -> ObjectMeta | None:
+        """The stored metadata of ``key`` (what a HEAD answers), or None on a miss.
+
+        The memory tier answers from its entry. Otherwise the object is read from a lower tier
+        (a tier cannot read a frame's header alone), into memory of its own rather than the
+        pool, and is neither promoted into the memory tier nor kept: asking evicts nothing.
+        A get of the key already under way is waited for instead.
+        """
+        k = normalize_key(key)
+        await self._ready()
+        if self.l1 is not None:
+            entry = self.l1.lookup(k)
+            if entry is not None:
+                return entry.meta
+        state = self._fetching.get(k)
+        if state is not None:
+            with contextlib.suppress(_Abandoned):
+                shared = await asyncio.shield(state.future)
+                return None if shared is None else shared.meta
+        looking = _Fetch(asyncio.get_running_loop().create_future())
+        looking.stale = True  # not promoted
+        found = await self._fetch(k, looking, alloc=_no_slab)
+        return None if found is None else found.meta
+
     def stored_in_memory(self, key: KeyLike) -> ObjectData | None:
         """What ``get_stored`` answers when the memory tier holds ``key`` (a lease on its
         copy), else None, without awaiting: for a server answering from a protocol callback.
@@ -650,7 +674,12 @@ class Store:
         if state is not None:
             state.stale = True
 
-    async def _fetch(self, key: str, state: _Fetch) -> Found | None:
+    async def _fetch(
+        self, key: str, state: _Fetch, alloc: Callable[[int], Slab | None] | None = None
+    ) -> Found | None:
+        """``key`` from the first lower tier that holds it (or a queued write), promoted into
+        the memory tier unless ``state`` is stale. ``alloc``: where a tier reads to, the pool by
+        default."""
         for writer in self.writers:  # read your own writes while they are still queued
             job = writer.pending(key)
             if job is not None:
@@ -661,7 +690,7 @@ class Store:
             if key in writer.stale:  # this tier may hold an older version: not served
                 continue
             try:
-                found = await tier.read(key, self._alloc_now, self.config.max_object_size)
+                found = await tier.read(key, alloc or self._alloc_now, self.config.max_object_size)
             except GatewayError as exc:  # counted by the metrics layer; a miss for the caller
                 log.debug("tier %s: get failed (%s): %s", tier.name, exc.kind, exc)
                 continue
@@ -846,6 +875,11 @@ class Store:
 
     def tier_names(self) -> list[str]:
         return [*([self.l1.name] if self.l1 else []), *(t.name for t in self.tiers)]
+
+
+def _no_slab(_nbytes: int) -> Slab | None:
+    """An allocator that gives no pool memory: the tier reads into a buffer of its own."""
+    return None
 
 
 def _check_staged(staged: Slab, data: ObjectData) -> None:

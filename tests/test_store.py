@@ -502,3 +502,25 @@ async def test_concurrent_puts_wait_for_each_others_copies_instead_of_failing() 
         for rnd in range(12):
             puts = (store.put(f"r{rnd}-{j}", objs[(rnd + j) % 8]) for j in range(4))
             await asyncio.gather(*puts)
+
+
+async def test_stat_reads_a_lower_tier_without_promoting_or_evicting() -> None:
+    async with Store(tiers(ns(), l1=4 << 20)) as store:
+        await store.put("cold", np.zeros(3 << 20, dtype=np.uint8))
+        await store.flush()
+        assert store.l1 is not None
+        assert store.pool is not None
+        store.l1.remove("cold")
+        await store.put("hot", b"h" * (2 << 20))  # with "cold" promoted, one would be evicted
+        await store.flush()
+        used = store.pool.used
+        meta = await store.stat("cold")
+        assert meta is not None
+        assert meta.nbytes == 3 << 20
+        assert "cold" not in store.l1
+        assert "hot" in store.l1
+        assert store.pool.used == used
+        hot = await store.stat("hot")
+        assert hot is not None
+        assert hot.nbytes == 2 << 20
+        assert await store.stat("missing") is None

@@ -253,12 +253,11 @@ def object_router() -> APIRouter:
 
     @router.head(OBJECTS + "{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
     async def head_object(key: ObjectKey, request: Request) -> Response:
-        """The headers a plain GET would answer, without the body."""
-        store = state_of(request).store
-        found = await store.get_stored(key)
-        if found is None:
+        """The headers a plain GET would answer, without the body. An object only a lower
+        tier holds is read but not promoted into the memory tier (``Store.stat``)."""
+        meta = await state_of(request).store.stat(key)
+        if meta is None:
             raise NotFound(f"no object under key {key!r}")
-        meta = found.meta
         headers = meta_headers(meta) | {"content-length": str(meta.nbytes)}
         return Response(status_code=200, headers=headers, media_type=OCTETS)
 

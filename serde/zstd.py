@@ -6,6 +6,7 @@ The compressed payload records the content size; decoding checks it against the 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from gateway.errors import ConfigError, CorruptObject, MissingDependency
@@ -26,8 +27,16 @@ class ZstdCodec:
     def __init__(self, level: int = 3, threads: int = 0, **options: Any) -> None:
         if options:
             raise ConfigError(f"codec zstd: unknown options {', '.join(sorted(options))}")
-        if not -7 <= level <= 22:
-            raise ConfigError(f"codec zstd: level must be in -7..22, got {level}")
+        if not _is_int(level) or not -7 <= level <= 22:
+            raise ConfigError(f"codec zstd: level must be an integer in -7..22, got {level!r}")
+        # Bounded by the CPUs (-1: all of them): the options may come from an HTTP client,
+        # who must not make the server start thousands of threads per request.
+        most = os.cpu_count() or 1
+        if not _is_int(threads) or not -1 <= threads <= most:
+            raise ConfigError(
+                f"codec zstd: threads must be an integer in -1..{most} (-1: every CPU), "
+                f"got {threads!r}"
+            )
         self.level = level
         self.threads = threads
 
@@ -54,3 +63,7 @@ class ZstdCodec:
             return data
         out[:] = data
         return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

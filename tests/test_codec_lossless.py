@@ -422,6 +422,10 @@ def test_piece_declaring_another_size(codec: Codec) -> None:
         ("bytesplit", {"block_size": 8192.0}),
         ("bytesplit", {"block_size": np.uint32(8192)}),
         ("fp8", {"mode": "e4m3"}),
+        ("zstd", {"threads": 100_000}),  # an HTTP client may name options: no thread storms
+        ("zstd", {"threads": -2}),
+        ("zstd", {"threads": 1.5}),
+        ("zstd", {"level": "3"}),
     ],
 )
 def test_bad_options_are_config_errors(name: str, options: dict[str, Any]) -> None:
@@ -435,6 +439,8 @@ def test_bad_options_are_config_errors(name: str, options: dict[str, Any]) -> No
         ("lz4", {"acceleration": 8, "block_size": 8192}),
         ("bytesplit", {"level": 3, "hash_log": None}),
         ("bytesplit", {"level": -3, "hash_log": 12, "block_size": 1 << 20}),
+        ("zstd", {"level": 19, "threads": 1}),
+        ("zstd", {"level": 1, "threads": -1}),
     ],
 )
 def test_good_options(name: str, options: dict[str, Any]) -> None:

@@ -52,6 +52,8 @@ T = TypeVar("T")
 
 DEFAULT_L1_CAPACITY = 2 << 30
 ALLOC_WAIT_POLL = 0.05  # seconds between re-tries while waiting for pool space
+# Reads of ``stat`` (HTTP HEAD) running at once: each may hold a whole object outside the pool.
+STAT_READS = 2
 # lookup asks a lower tier about LOOKUP_WINDOW keys first, then (a tier without batch
 # existence checks) windows LOOKUP_GROWTH times larger: see Store._leading_run.
 LOOKUP_WINDOW = 64
@@ -105,6 +107,7 @@ class Store:
         # that finds the pool full waits for them rather than failing (they end soon, and the
         # memory tier can then evict what they put).
         self._filling = 0
+        self._stat_reads = asyncio.Semaphore(STAT_READS)
         self._background: set[asyncio.Task[Any]] = set()
         self._space = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -487,22 +490,16 @@ class Store:
 
         Raises the first failing tier's error when ``durable``; otherwise only when no tier
         took the object (a put too big for the pool then has nowhere to be). Not durable, a
-        ``skip`` tier that is behind (``TierWriter.behind``) is skipped, as its queue would
-        skip it, unless every tier is: a put must not wait for a stalled tier it may skip.
+        ``skip`` tier that is behind (``TierWriter.behind``) is written only if none of the
+        others took the object: a put must not wait for a stalled tier it may skip, nor lose
+        an object that tier could have held.
         """
         marks = [w.hold(key) for w in self.writers]  # every tier, before the first await
-        skipping = [] if durable else [w for w in self.writers if w.can_skip() and w.behind()]
-        if len(skipping) == len(self.writers):
-            skipping = []  # at least one tier must take an object the pool could not
-        for writer in skipping:
-            writer.tier.stats.skipped_writes += 1
         ttl = None if expires_at is None else max(expires_at - time.time(), 0.001)
 
         async def write(writer: TierWriter, mark: Hold) -> GatewayError | None:
             ok = False
             try:
-                if writer in skipping:
-                    return None  # the hold marked the key stale there; released below
                 if not await writer.acquire(key, mark):
                     return None  # a newer put or delete of the key superseded this one
                 error = await writer.write_now(key, data, ttl)
@@ -511,20 +508,28 @@ class Store:
             finally:
                 writer.release(key, mark, ok)
 
+        async def write_all(pairs: list[tuple[TierWriter, Hold]]) -> list[GatewayError | None]:
+            if len(pairs) == 1:  # no task to start and wait for
+                return [await write(*pairs[0])]
+            return list(await asyncio.gather(*(write(w, m) for w, m in pairs)))
+
+        pairs = list(zip(self.writers, marks, strict=True))
+        later = [] if durable else [(w, m) for w, m in pairs if w.can_skip() and w.behind()]
+        first = [pair for pair in pairs if pair not in later]
         try:
             with writing_durably(durable):  # a gateway:// tier asks its remote to write through
-                errors: list[GatewayError | None]
-                if len(self.writers) == 1:  # no task to start and wait for
-                    errors = [await write(self.writers[0], marks[0])]
+                errors = await write_all(first) if first else []
+                failed = [e for e in errors if e is not None]
+                if later and len(failed) == len(first):  # nothing took it: try them after all
+                    errors += await write_all(later)
                 else:
-                    errors = await asyncio.gather(
-                        *(write(w, m) for w, m in zip(self.writers, marks, strict=True))
-                    )
+                    for writer, _ in later:  # skipped: the hold marked the key stale there
+                        writer.tier.stats.skipped_writes += 1
         finally:  # children cancelled before they ran never reached their own release
-            for writer, mark in zip(self.writers, marks, strict=True):
+            for writer, mark in pairs:
                 writer.release(key, mark, False)
         failed = [e for e in errors if e is not None]
-        if failed and (durable or len(failed) == len(errors) - len(skipping)):
+        if failed and (durable or len(failed) == len(errors)):
             raise failed[0]
 
     async def put_many(
@@ -589,9 +594,10 @@ class Store:
         """The stored metadata of ``key`` (what a HEAD answers), or None on a miss.
 
         The memory tier answers from its entry. Otherwise the object is read from a lower tier
-        (a tier cannot read a frame's header alone), into memory of its own rather than the
-        pool, and is neither promoted into the memory tier nor kept: asking evicts nothing.
-        A get of the key already under way is waited for instead.
+        (a tier cannot read a frame's header alone) into free pool memory, or memory of its
+        own when the pool has none free, and is not promoted: asking evicts nothing. A fetch
+        of the key already under way is waited for, and later gets and stats of the key wait
+        for this one; at most ``STAT_READS`` such reads run at once.
         """
         k = normalize_key(key)
         await self._ready()
@@ -599,15 +605,22 @@ class Store:
             entry = self.l1.lookup(k)
             if entry is not None:
                 return entry.meta
-        state = self._fetching.get(k)
-        if state is not None:
-            with contextlib.suppress(_Abandoned):
-                shared = await asyncio.shield(state.future)
-                return None if shared is None else shared.meta
-        looking = _Fetch(asyncio.get_running_loop().create_future())
-        looking.stale = True  # not promoted
-        found = await self._fetch(k, looking, alloc=_no_slab)
-        return None if found is None else found.meta
+        while True:
+            state = self._fetching.get(k)
+            if state is not None:
+                with contextlib.suppress(_Abandoned):
+                    shared = await asyncio.shield(state.future)
+                    return None if shared is None else shared.meta
+                continue
+            async with self._stat_reads:
+                if k in self._fetching:  # another started while this one waited: join it
+                    continue
+                found = await self._fetch_first(k, promote=False, alloc=self._free_pool_only)
+            return None if found is None else found.meta
+
+    def _free_pool_only(self, nbytes: int) -> Slab | None:
+        """Pool memory that is free now, evicting nothing (``stat``'s reads)."""
+        return None if self.pool is None else self.pool.alloc(nbytes)
 
     def stored_in_memory(self, key: KeyLike) -> ObjectData | None:
         """What ``get_stored`` answers when the memory tier holds ``key`` (a lease on its
@@ -646,11 +659,14 @@ class Store:
             except _Abandoned:
                 continue
 
-    async def _fetch_first(self, key: str) -> Found | None:
+    async def _fetch_first(
+        self, key: str, *, promote: bool = True, alloc: Callable[[int], Slab | None] | None = None
+    ) -> Found | None:
         state = _Fetch(asyncio.get_running_loop().create_future())
+        state.stale = not promote
         self._fetching[key] = state
         try:
-            found = await self._fetch(key, state)
+            found = await self._fetch(key, state, alloc)
         except BaseException as exc:
             # Waiting gets see the failure, or, for a cancel, fetch again. Marked retrieved
             # at once: there may be no waiting get to retrieve it.
@@ -875,11 +891,6 @@ class Store:
 
     def tier_names(self) -> list[str]:
         return [*([self.l1.name] if self.l1 else []), *(t.name for t in self.tiers)]
-
-
-def _no_slab(_nbytes: int) -> Slab | None:
-    """An allocator that gives no pool memory: the tier reads into a buffer of its own."""
-    return None
 
 
 def _check_staged(staged: Slab, data: ObjectData) -> None:

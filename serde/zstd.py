@@ -28,7 +28,7 @@ class ZstdCodec:
         if options:
             raise ConfigError(f"codec zstd: unknown options {', '.join(sorted(options))}")
         if not _is_int(level) or not -7 <= level <= 22:
-            raise ConfigError(f"codec zstd: level must be an integer in -7..22, got {level!r}")
+            raise ConfigError(f"codec zstd: level must be in -7..22 (an integer), got {level!r}")
         # Bounded by the CPUs (-1: all of them): the options may come from an HTTP client,
         # who must not make the server start thousands of threads per request.
         most = os.cpu_count() or 1

@@ -505,7 +505,8 @@ async def test_concurrent_puts_wait_for_each_others_copies_instead_of_failing() 
 
 
 async def test_stat_reads_a_lower_tier_without_promoting_or_evicting() -> None:
-    async with Store(tiers(ns(), l1=4 << 20)) as store:
+    slow = ChaosLayer(MemoryConnector(), latency=0.05)  # concurrent stats overlap
+    async with Store(tiers(ns(), l1=4 << 20), connectors={1: slow}) as store:
         await store.put("cold", np.zeros(3 << 20, dtype=np.uint8))
         await store.flush()
         assert store.l1 is not None
@@ -524,3 +525,9 @@ async def test_stat_reads_a_lower_tier_without_promoting_or_evicting() -> None:
         assert hot is not None
         assert hot.nbytes == 2 << 20
         assert await store.stat("missing") is None
+        reads = store.stats()["memory1"].latency["get"].n
+        metas = await asyncio.gather(*(store.stat("cold") for _ in range(10)))
+        assert all(m is not None and m.nbytes == 3 << 20 for m in metas)
+        assert store.stats()["memory1"].latency["get"].n - reads < 10  # shared, not one each
+        assert "cold" not in store.l1
+        assert store.pool.used == used

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,33 @@ async def test_a_tier_still_down_at_close_is_logged_not_waited_for(
     remote.down = True
     with pytest.raises(Unavailable):
         await store.delete("k")
+    with caplog.at_level(logging.WARNING, logger="kvgate.jobs"):
+        await store.close()
+    assert any("1 keys it may hold older versions of" in r.message for r in caplog.records)
+
+
+class _ShortExists(ChaosLayer):
+    """Answers existence checks for the first key only (a short answer is legal)."""
+
+    async def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return (await super().exists_many(keys))[:1]
+
+
+async def test_a_short_existence_answer_is_logged_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = f"memory://{uuid.uuid4().hex}"
+    remote = _ShortExists(MemoryConnector.from_url(shared))
+    store = Store(_config(tmp_path, shared), connectors={2: remote})
+    await store.open()
+    for key in ("a", "b"):
+        await store.put(key, b"v" * 1000)
+    await store.flush()
+    remote.down = True
+    for key in ("a", "b"):
+        with pytest.raises(Unavailable):
+            await store.delete(key)
+    remote.down = False
     with caplog.at_level(logging.WARNING, logger="kvgate.jobs"):
         await store.close()
     assert any("1 keys it may hold older versions of" in r.message for r in caplog.records)

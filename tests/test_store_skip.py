@@ -155,3 +155,25 @@ async def test_a_put_too_big_to_stage_skips_a_skip_tier_that_is_behind(tmp_path:
         assert found.nbytes == 12 << 20
         assert found[0] == 7
         stalled.latency = 0.0
+
+
+async def test_a_busy_skip_tier_takes_a_direct_write_when_no_other_tier_can() -> None:
+    down = ChaosLayer(MemoryConnector(), down=True)
+    busy = ChaosLayer(MemoryConnector(), latency=0.3)
+    cfg = {
+        "tiers": [
+            {"url": "memory://", "capacity": 1 << 20},
+            {"url": "memory://", "timeout": 1.0},
+            {"url": "memory://", "timeout": 5.0, "backpressure": "skip", "workers": 1},
+        ]
+    }
+    async with Store(cfg, connectors={1: down, 2: busy}) as store:
+        await store.put("small", b"s" * 1000)  # takes the skip tier's only worker
+        await asyncio.sleep(0.05)
+        assert store.writers[1].behind()
+        await store.put("big", np.full(2 << 20, 7, dtype=np.uint8))  # larger than the pool
+        assert await busy.exists("big")
+        found = await store.get("big")
+        assert isinstance(found, np.ndarray)
+        assert found.nbytes == 2 << 20
+        down.down = False

@@ -311,8 +311,10 @@ async def run_bench(
         if cold and root is not None:
             drop_page_cache(p for p in root.rglob("*.kvo") if p.is_file())
         copy_elapsed, _ = await _run_ops(count, concurrency, get_copy, progress)
-        # The bench's objects are not the user's: leave the tiers as they were.
-        await asyncio.gather(*(store.delete(k) for k in keys))
+        # The bench's objects are not the user's: leave the tiers as they were. A tier that
+        # failed during the run may fail these too (a delete raises then): its failures are
+        # in ``errors`` below, and the measurement is kept.
+        await asyncio.gather(*(store.delete(k) for k in keys), return_exceptions=True)
         result.errors = {n: dict(s.errors) for n, s in store.stats().items() if s.errors}
     if root is not None:
         await asyncio.to_thread(settle_disk)

@@ -72,6 +72,14 @@ class CorruptObject(GatewayError):
     kind = "corrupt"
 
 
+class CorruptRemoved(CorruptObject):
+    """Corrupt bytes that the backend has already taken out of the key's place (the disk tier
+    moves such a file to quarantine/): counted as corrupt, and not deleted again, since a
+    delete now could remove a newer object written there meanwhile."""
+
+    kind = "corrupt"
+
+
 class KeyUnavailable(CorruptObject):
     """An encrypted object this process holds no key for (a key id it does not know, or no keys
     at all). A miss, counted as corrupt like any object that cannot be verified, but left in

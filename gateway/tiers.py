@@ -33,6 +33,7 @@ from gateway.errors import (
     CapacityError,
     ConfigError,
     CorruptObject,
+    CorruptRemoved,
     GatewayError,
     InvalidObject,
     KeyUnavailable,
@@ -371,6 +372,11 @@ class ConnectorTier:
             self.stats.corrupt += 1
             if isinstance(exc, KeyUnavailable):
                 log.warning("tier %s: an object this tier holds no key for: %s", self.name, exc)
+                return None
+            if isinstance(exc, CorruptRemoved):  # the backend took it out of the key's place
+                log.warning(
+                    "tier %s: corrupt object under a key, served as a miss: %s", self.name, exc
+                )
                 return None
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
             await self._discard(key)

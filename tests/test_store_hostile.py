@@ -11,7 +11,11 @@ import zstandard
 
 from connectors.memory import MemoryConnector
 from gateway import CapacityError, Store
+from gateway.connector import Allocator
+from gateway.errors import CorruptRemoved
 from gateway.frame import encode_header
+from gateway.layers import Layer
+from gateway.types import Buffer
 
 
 def plant(
@@ -110,3 +114,33 @@ async def test_oversized_put_is_refused_clearly() -> None:
         with pytest.raises(CapacityError, match="max_object_size"):
             await store.put("k", b"x" * (2 << 20))
         assert await store.get("k") is None
+
+
+class _AlreadyRemoved(Layer):
+    """A backend that finds the key's bytes broken and takes them away itself (as the disk
+    tier quarantines a broken file), recording the deletes it is asked for."""
+
+    def __init__(self, inner: MemoryConnector) -> None:
+        super().__init__(inner)
+        self.deletes: list[str] = []
+
+    async def get_into(self, key: str, alloc: Allocator) -> memoryview | None:
+        raise CorruptRemoved(f"{key}: not a whole record (quarantined)")
+
+    async def get(self, key: str) -> Buffer | None:
+        raise CorruptRemoved(f"{key}: not a whole record (quarantined)")
+
+    async def delete(self, key: str) -> bool:
+        self.deletes.append(key)
+        return await super().delete(key)
+
+
+async def test_corrupt_bytes_the_backend_removed_are_counted_and_not_deleted_again() -> None:
+    backend = _AlreadyRemoved(MemoryConnector.from_url(f"memory://{uuid.uuid4().hex}"))
+    config = {"tiers": [{"url": "memory://"}], "staging": 1 << 20}
+    async with Store(config, connectors={0: backend}) as store:
+        await store.put("k", b"v" * 100)
+        await store.flush()
+        assert await store.get("k") is None
+        assert store.stats()["memory"].corrupt == 1
+        assert backend.deletes == []  # a delete now could remove a newer object

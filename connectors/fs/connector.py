@@ -93,7 +93,7 @@ from gateway.connector import (
     fill_hook,
     placement_hook,
 )
-from gateway.errors import CapacityError, ConfigError, CorruptObject, GatewayError, Unavailable
+from gateway.errors import CapacityError, ConfigError, CorruptRemoved, GatewayError, Unavailable
 from gateway.inflight import InFlight
 from gateway.policies import EvictionPolicy, make_policy
 from gateway.thread_jobs import in_thread
@@ -471,7 +471,7 @@ class FileConnector(BaseConnector):
                         direct, place = False, None
             except _UNREADABLE:
                 if await self._forget_unreadable(key):
-                    raise CorruptObject(
+                    raise CorruptRemoved(
                         f"{self!r}: the file of {key!r} was not a whole record of it "
                         "(moved to quarantine/)"
                     ) from None

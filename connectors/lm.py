@@ -38,9 +38,9 @@ from gateway.config import redact_url
 from gateway.connector import BaseConnector, as_parts, read_limit
 from gateway.errors import (
     ConfigError,
-    CorruptObject,
     GatewayError,
     InvalidKey,
+    OverReadLimit,
     Timeout,
     Unavailable,
 )
@@ -222,7 +222,7 @@ class LmConnector(BaseConnector):
                 return None
             limit = read_limit()
             if limit is not None and reply.length > limit:  # the connection is dropped
-                raise CorruptObject(f"lm:// answered {reply.length} bytes, over {limit}")
+                raise OverReadLimit(f"lm:// answered {reply.length} bytes, over {limit}")
             data = await conn.reader.readexactly(reply.length) if reply.length else b""
             return None if reply.is_tombstone else data
 

@@ -72,6 +72,22 @@ class CorruptObject(GatewayError):
     kind = "corrupt"
 
 
+class OverReadLimit(CorruptObject):
+    """An object larger than this reader takes (``read_limit()``, from its store's
+    ``max_object_size``): a miss counted as corrupt, but left in the backend, where a store
+    with a larger limit (perhaps the one that wrote it) still reads it."""
+
+    kind = "corrupt"
+
+
+class ForeignObject(CorruptObject):
+    """Bytes under a key that kvgate did not write (no frame, or not its value format): a miss
+    counted as corrupt, but left in the backend, which may be shared with programs that did
+    write them (an LMCache engine's chunk on an lm:// server, say)."""
+
+    kind = "corrupt"
+
+
 class CorruptRemoved(CorruptObject):
     """Corrupt bytes that the backend has already taken out of the key's place (the disk tier
     moves such a file to quarantine/): counted as corrupt, and not deleted again, since a

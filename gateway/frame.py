@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import msgspec
 import xxhash
 
-from gateway.errors import CorruptObject
+from gateway.errors import CorruptObject, ForeignObject
 from gateway.types import Buffer, ObjectKind, ParamValue
 
 MAGIC = b"KVGF"
@@ -158,10 +158,11 @@ def parse_header(blob: Buffer) -> tuple[FrameHeader, int]:
     """
     view = memoryview(blob).cast("B")
     if view.nbytes < PREFIX_LEN:
-        raise CorruptObject(f"frame too short: {view.nbytes} bytes")
+        ours = view.nbytes >= len(MAGIC) and bytes(view[: len(MAGIC)]) == MAGIC
+        raise (CorruptObject if ours else ForeignObject)(f"frame too short: {view.nbytes} bytes")
     magic, version, flags, reserved, header_len, check = PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
-        raise CorruptObject("bad frame magic")
+        raise ForeignObject("bad frame magic: not a kvgate frame")
     if version not in READABLE_VERSIONS or flags != 0 or reserved != 0:
         raise CorruptObject(f"unknown frame version {version} (flags {flags})")
     if header_len > MAX_HEADER_LEN or PREFIX_LEN + header_len > view.nbytes:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar, overload
 
 from gateway.connector import Allocator, as_parts, read_limit
-from gateway.errors import CapacityError, CorruptObject
+from gateway.errors import CapacityError, CorruptObject, ForeignObject, OverReadLimit
 from gateway.host_memory import anonymous_memory
 from gateway.types import Buffer, BufferParts
 
@@ -160,6 +160,14 @@ class _Lazy(Sequence[T]):
 
 class MalformedValue(CorruptObject):
     """A main key holds something that is neither an inline value nor a manifest."""
+
+
+class ValueOverReadLimit(MalformedValue, OverReadLimit):
+    """A main key's object is larger than the reader takes: left in place (``OverReadLimit``)."""
+
+
+class ForeignValue(MalformedValue, ForeignObject):
+    """A main key holds a value kvgate did not write: left in place (``ForeignObject``)."""
 
 
 def parse_head(value: Buffer) -> Manifest | None:
@@ -340,7 +348,7 @@ class StripedObjects:
             src = memoryview(head).cast("B")[1:]
             limit = read_limit()
             if limit is not None and src.nbytes > limit:  # read already, never copied
-                raise MalformedValue(f"inline value of {src.nbytes} bytes, over {limit}")
+                raise ValueOverReadLimit(f"inline value of {src.nbytes} bytes, over {limit}")
             dst = alloc(src.nbytes)
             if dst is None:
                 return src
@@ -371,7 +379,7 @@ class StripedObjects:
             )
         limit = read_limit()
         if limit is not None and manifest.total > limit:
-            raise MalformedValue(f"manifest claims {manifest.total} bytes, over {limit}")
+            raise ValueOverReadLimit(f"manifest claims {manifest.total} bytes, over {limit}")
 
     async def get(self, key: bytes) -> Buffer | None:
         """Like ``get_into`` with fresh memory; an inline object is returned without a copy."""

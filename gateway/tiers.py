@@ -34,10 +34,12 @@ from gateway.errors import (
     ConfigError,
     CorruptObject,
     CorruptRemoved,
+    ForeignObject,
     GatewayError,
     InvalidObject,
     KeyUnavailable,
     MissingDependency,
+    OverReadLimit,
     Unsupported,
 )
 from gateway.frame import MAX_HEADER_LEN, FrameHeader, decode_frame, payload_offset_of
@@ -52,6 +54,11 @@ from gateway.thread_jobs import in_thread
 from gateway.types import Buffer, TierStats
 
 log = logging.getLogger("kvgate.tiers")
+
+# Objects a read refuses but does not delete: bytes the backend already took away, and
+# objects that may be someone else's to read (too large for this reader, not kvgate's, or
+# encrypted under a key this process lacks), in a backend other stores or programs share.
+_LEFT_IN_PLACE = (CorruptRemoved, ForeignObject, OverReadLimit)
 
 OFFLOAD_BYTES = 4 << 20  # CPU work on larger buffers runs in a thread, off the event loop
 T = TypeVar("T")
@@ -373,10 +380,8 @@ class ConnectorTier:
             if isinstance(exc, KeyUnavailable):
                 log.warning("tier %s: an object this tier holds no key for: %s", self.name, exc)
                 return None
-            if isinstance(exc, CorruptRemoved):  # the backend took it out of the key's place
-                log.warning(
-                    "tier %s: corrupt object under a key, served as a miss: %s", self.name, exc
-                )
+            if isinstance(exc, _LEFT_IN_PLACE):
+                log.warning("tier %s: an object under a key served as a miss: %s", self.name, exc)
                 return None
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
             await self._discard(key)
@@ -402,7 +407,7 @@ class ConnectorTier:
                     size, functools.partial(decode_frame, key=key), blob
                 )
             if header.raw_len > max_size:
-                raise CorruptObject(f"frame claims {header.raw_len} bytes, over {max_size}")
+                raise OverReadLimit(f"frame claims {header.raw_len} bytes, over {max_size}")
             meta = _meta_of(header)
             if header.expired():
                 await self._discard(key)

@@ -144,3 +144,36 @@ async def test_corrupt_bytes_the_backend_removed_are_counted_and_not_deleted_aga
         assert await store.get("k") is None
         assert store.stats()["memory"].corrupt == 1
         assert backend.deletes == []  # a delete now could remove a newer object
+
+
+def _shared_config(url: str, max_object_size: int | None = None) -> dict[str, Any]:
+    config: dict[str, Any] = {"tiers": [{"url": url}], "staging": 4 << 20}
+    if max_object_size is not None:
+        config["max_object_size"] = max_object_size
+    return config
+
+
+async def test_a_reader_with_a_smaller_limit_leaves_larger_objects_to_the_others() -> None:
+    url = f"memory://{uuid.uuid4().hex}"  # one namespace: what every store here sees
+    async with Store(_shared_config(url), connectors={0: MemoryConnector.from_url(url)}) as writer:
+        await writer.put("big", b"b" * (2 << 20), durable=True)
+    small_config = _shared_config(url, 1 << 20)
+    async with Store(small_config, connectors={0: MemoryConnector.from_url(url)}) as small:
+        assert await small.get("big") is None  # over what it takes: a miss for it
+        assert small.stats()["memory"].corrupt == 1
+    async with Store(_shared_config(url), connectors={0: MemoryConnector.from_url(url)}) as other:
+        assert await other.get("big") == b"b" * (2 << 20)  # still there for the others
+
+
+async def test_bytes_kvgate_did_not_write_are_a_miss_left_in_place() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    shared = MemoryConnector.from_url(url)
+    await shared.put("theirs", b"an LMCache engine's chunk, not a kvgate frame")
+    await shared.put("empty", b"")  # LMCache's tombstone
+    async with Store(_shared_config(url), connectors={0: MemoryConnector.from_url(url)}) as store:
+        assert await store.get("theirs") is None
+        assert await store.get("empty") is None
+        assert store.stats()["memory"].corrupt == 2
+    after = MemoryConnector.from_url(url)
+    assert await after.get("theirs") == b"an LMCache engine's chunk, not a kvgate frame"
+    assert await after.exists("empty")

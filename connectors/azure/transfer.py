@@ -36,7 +36,7 @@ from connectors.object_names import shown
 from connectors.parts_body import PartsBody
 from connectors.read_target import ReadTarget
 from gateway.connector import Allocator, read_limit
-from gateway.errors import CorruptObject, Unavailable
+from gateway.errors import OverReadLimit, Unavailable
 
 CHANGE_RETRIES = 3
 
@@ -141,7 +141,7 @@ async def _read_once(client: AzureClient, name: str, target: ReadTarget) -> memo
             size = int(got.size)
             limit = read_limit()
             if limit is not None and size > limit:  # stored there by anyone: never allocated
-                raise CorruptObject(
+                raise OverReadLimit(
                     f"{shown(name)} is {size} bytes, over the {limit} a reader takes"
                 )
             buf = target.get(size)

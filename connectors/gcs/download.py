@@ -23,7 +23,7 @@ from connectors.gcs.errors import gcs_errors, is_missing
 from connectors.object_names import shown
 from connectors.read_target import ReadTarget
 from gateway.connector import Allocator, read_limit
-from gateway.errors import CorruptObject, Unavailable
+from gateway.errors import OverReadLimit, Unavailable
 
 CHANGE_RETRIES = 3
 GENERATION = "x-goog-generation"
@@ -94,7 +94,7 @@ async def _read_once(client: GcsClient, name: str, target: ReadTarget) -> memory
             size = _length(resp, where)
             limit = read_limit()
             if limit is not None and size > limit:  # stored there by anyone: never allocated
-                raise CorruptObject(f"{shown(name)} is {size} bytes, over the {limit} allowed")
+                raise OverReadLimit(f"{shown(name)} is {size} bytes, over the {limit} allowed")
             buf = target.get(size)
         except BaseException:
             resp.close()

@@ -39,7 +39,7 @@ from typing import Any, Literal, TypeVar
 from gateway.connector import Allocator, read_limit
 from gateway.deadlines import Deadlines
 from gateway.errors import CapacityError, GatewayError, Timeout, Unavailable
-from gateway.parts import MalformedValue, bounded_all
+from gateway.parts import ValueOverReadLimit, bounded_all
 from gateway.transport import stream_transport
 from gateway.types import Buffer
 
@@ -426,7 +426,7 @@ class MemcachedClient:
             length, _ = _value_header(line, key, with_cas=False)
             limit = read_limit()
             if limit is not None and length > limit:  # the value is not read: the session
-                raise MalformedValue(  # ends, and its connection with it
+                raise ValueOverReadLimit(  # ends, and its connection with it
                     f"{self.name}: {key!r} holds {length} bytes, over the {limit} a reader takes"
                 )
             head = memoryview(bytearray(min(len(prefix), length)))

@@ -41,7 +41,7 @@ from connectors.obstore.config import SCHEME, ObstoreS3Options, parse
 from connectors.obstore.errors import is_missing, obstore_errors
 from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import Allocator, FillHook, fill_hook, read_limit
-from gateway.errors import ConfigError, CorruptObject, Unavailable
+from gateway.errors import ConfigError, OverReadLimit, Unavailable
 from gateway.thread_jobs import in_thread
 from gateway.types import ObjectInfo
 
@@ -149,7 +149,7 @@ class ObstoreS3Connector(ObjectStoreConnector):
         size = int(result.meta["size"])
         limit = read_limit()
         if limit is not None and size > limit:  # anyone's object: never an allocation
-            raise CorruptObject(
+            raise OverReadLimit(
                 f"{names.shown(name)} is {size} bytes, over the {limit} a reader takes"
             )
         body = memoryview(await self._call(where, result.bytes_async()))

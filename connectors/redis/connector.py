@@ -49,7 +49,15 @@ from connectors.redis.fastpath import FOREIGN, MISS, TOO_LARGE, FastPath
 from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import Allocator, BaseConnector
 from gateway.errors import GatewayError
-from gateway.parts import INLINE, MANIFEST_SIZE, MalformedValue, StripedObjects, parse_head
+from gateway.parts import (
+    INLINE,
+    MANIFEST_SIZE,
+    ForeignValue,
+    MalformedValue,
+    StripedObjects,
+    ValueOverReadLimit,
+    parse_head,
+)
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -139,9 +147,9 @@ class RedisConnector(BaseConnector):
         if got == MISS:
             return None
         if got == FOREIGN:
-            raise MalformedValue(f"{self!r}: {key!r} holds a value kvgate did not write")
+            raise ForeignValue(f"{self!r}: {key!r} holds a value kvgate did not write")
         if got == TOO_LARGE:
-            raise MalformedValue(f"{self!r}: {key!r} holds more than a reader takes")
+            raise ValueOverReadLimit(f"{self!r}: {key!r} holds more than a reader takes")
         assert isinstance(got, tuple)
         kind, value = got
         if kind == "inline":

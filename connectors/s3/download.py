@@ -31,7 +31,7 @@ from connectors.s3.client import S3Client
 from connectors.s3.errors import is_changed, is_missing, s3_errors
 from connectors.s3.transfer import limited, read_body_into, run_all, spans
 from gateway.connector import Allocator, read_limit
-from gateway.errors import CorruptObject, Unavailable
+from gateway.errors import OverReadLimit, Unavailable
 
 CHANGE_RETRIES = 3
 
@@ -70,7 +70,7 @@ async def _read_once(client: S3Client, name: str, target: ReadTarget) -> memoryv
         limit = read_limit()
         if limit is not None and size > limit:  # stored there by anyone: never an allocation
             body.close()
-            raise CorruptObject(f"{shown(name)} is {size} bytes, over the {limit} a reader takes")
+            raise OverReadLimit(f"{shown(name)} is {size} bytes, over the {limit} a reader takes")
         try:
             buf = target.get(size)
         except BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 from functools import partial
 from typing import Annotated
@@ -74,7 +75,9 @@ def serve(
     body_min_rate: Annotated[
         str, typer.Option(help="bytes/s a body must average after --body-timeout s (0: any)")
     ] = "1MiB",
-    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    log_level: Annotated[
+        str, typer.Option(help="log level of uvicorn and of kvgate's own lines")
+    ] = "info",
 ) -> None:
     """Serve a Store over HTTP (object API, batch, lookup, tiers, metrics) and optionally lm://."""
     token = token or None  # an empty $KVGATE_TOKEN is no token
@@ -128,8 +131,29 @@ def serve(
         if lm_port is None
         else [partial(lm_serving, host=lm_host, port=lm_port, idle_timeout=lm_idle_timeout)],
     )
+    log_to_stderr(log_level)
     # uvloop and httptools when installed ("auto"); the plain asyncio loop and h11 otherwise.
     uvicorn.run(application, host=host, port=port, log_level=log_level, loop="auto", http="auto")
+
+
+# kvgate's own loggers ("kvgate.*", and modules' ``__name__`` loggers), which uvicorn's
+# logging set-up leaves alone: without a handler, Python prints only their warnings.
+KVGATE_LOGGERS = ("kvgate", "gateway", "connectors", "serde", "gpu")
+
+
+def log_to_stderr(level: str) -> None:
+    """Send kvgate's log lines at ``level`` (uvicorn's names; ``trace`` is debug) and above
+    to stderr, as uvicorn does its own: the breaker's half-open and closed lines are INFO."""
+    threshold = logging.DEBUG if level.lower() == "trace" else logging.getLevelName(level.upper())
+    if not isinstance(threshold, int):
+        raise typer.BadParameter(f"unknown log level {level!r}", param_hint="--log-level")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:  %(name)s: %(message)s"))
+    for name in KVGATE_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(threshold)
+        logger.handlers = [handler]
+        logger.propagate = False  # once, even where the root logger has a handler too
 
 
 def register(app: typer.Typer) -> None:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import typer
 from rich.console import Console
@@ -62,15 +62,26 @@ def client(url: str, token: str | None, timeout: float) -> Iterator[httpx.Client
         import httpx
     except ModuleNotFoundError:
         raise fail("these commands need httpx: pip install 'kvgate[gateway]'", 2) from None
+    from gateway.config import redact_url
+
+    shown = redact_url(url)
+    if urlsplit(url).netloc.rpartition("@")[1]:
+        # httpx would send it as Basic auth in place of the bearer token, which the gateway
+        # does not read, and it would show in every message.
+        raise fail(
+            f"{shown}: a user or password in the URL is not how the gateway authenticates: "
+            "give the token with --token or KVGATE_TOKEN",
+            2,
+        )
     headers = {"authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(base_url=url, headers=headers, timeout=timeout) as http:
         try:
             yield http
         except httpx.TimeoutException:
-            raise fail(f"{url}: no answer within {timeout} s", 3) from None
+            raise fail(f"{shown}: no answer within {timeout} s", 3) from None
         except httpx.TransportError as exc:
             raise fail(
-                f"{url}: cannot reach the gateway ({type(exc).__name__}: {exc})", 3
+                f"{shown}: cannot reach the gateway ({type(exc).__name__}: {exc})", 3
             ) from None
 
 
@@ -84,6 +95,9 @@ def check(response: httpx.Response, url: str, key: str | None = None) -> None:
     status = response.status_code
     if status < 300:
         return
+    from gateway.config import redact_url
+
+    url = redact_url(url)
     if status == 404 and key is not None:
         raise fail(f"no object {key!r}", 1)
     if status == 401:

@@ -134,3 +134,12 @@ def test_unreachable_gateway_exits_3(kvgate: CliRunner) -> None:
     code, _, err = run(kvgate, "get", "k", "--url", url)
     assert code == 3
     assert "cannot reach" in err
+
+
+def test_a_password_in_the_url_is_refused_and_never_printed(kvgate: CliRunner) -> None:
+    url = f"http://alice:S3CRET-PW@127.0.0.1:{free_port()}"
+    code, out, err = run(kvgate, "get", "k", "--url", url, "--token", "t")
+    assert code == 2
+    assert "--token" in err
+    assert "S3CRET-PW" not in err
+    assert b"S3CRET-PW" not in out

@@ -130,6 +130,11 @@ class _Conn:
     def close(self) -> None:
         self.writer.close()
 
+    def gone(self) -> bool:
+        """Whether the server closed this idle connection (it restarted, or dropped idle
+        clients): reusing it would fail the next call, and a retry could meet another one."""
+        return self.reader.at_eof() or self.writer.is_closing()
+
 
 class LmConnector(BaseConnector):
     scheme: ClassVar[str] = "lm"
@@ -182,6 +187,9 @@ class LmConnector(BaseConnector):
             raise GatewayError(f"{self!r} is closed")
         async with self._slots:
             conn = self._idle.pop() if self._idle else None
+            while conn is not None and conn.gone():
+                conn.close()
+                conn = self._idle.pop() if self._idle else None
             try:
                 async with asyncio.timeout(self.options.timeout):
                     if conn is None:

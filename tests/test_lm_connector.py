@@ -89,6 +89,26 @@ async def test_pool_serves_concurrent_calls(kvgate: tuple[Store, str]) -> None:
         assert len(conn._idle) <= 3
 
 
+async def test_connections_the_server_closed_while_idle_are_not_reused() -> None:
+    """The server restarted between calls: the pool's idle connections are dead, and the
+    next call must not fail on one (nor its retry on the next)."""
+    cfg = {"tiers": [{"url": "memory://", "capacity": 32 << 20}], "prefault": False}
+    port = free_port()
+    async with Store(cfg) as store:
+        server = await serve_lm(store, "127.0.0.1", port)
+        conn = LmConnector.from_url(f"lm://127.0.0.1:{port}", pool_size=3)
+        try:
+            await asyncio.gather(*(conn.put(f"k{i}", b"v" * 1000) for i in range(3)))
+            await close_lm(server)  # closes its connections: the pool's are all dead now
+            server = await serve_lm(store, "127.0.0.1", port)
+            await asyncio.sleep(0.05)  # the closes reach the client
+            await conn.put("after", b"w" * 1000)
+            assert await conn.get("after") == b"w" * 1000
+        finally:
+            await conn.close()
+            await close_lm(server)
+
+
 class FakeServer:
     """A loopback server running ``handler``; ``close`` also closes its connections."""
 

@@ -62,18 +62,27 @@ async def test_a_failed_delete_raises_and_is_done_again_at_close(tmp_path: Path)
         assert await store.get("k") is None
 
 
+async def _deletes_failed(remote: ChaosLayer, tmp_path: Path, shared: str, keys: str) -> Store:
+    """An open store whose deletes of ``keys`` failed on ``remote`` (left down)."""
+    store = Store(_config(tmp_path, shared), connectors={2: remote})
+    await store.open()
+    for key in keys:
+        await store.put(key, b"v" * 1000)
+    await store.flush()
+    remote.down = True
+    for key in keys:
+        with pytest.raises(Unavailable):
+            await store.delete(key)
+    return store
+
+
 async def test_a_tier_still_down_at_close_is_logged_not_waited_for(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     shared = f"memory://{uuid.uuid4().hex}"
-    remote = ChaosLayer(MemoryConnector.from_url(shared))
-    store = Store(_config(tmp_path, shared), connectors={2: remote})
-    await store.open()
-    await store.put("k", b"v" * 1000)
-    await store.flush()
-    remote.down = True
-    with pytest.raises(Unavailable):
-        await store.delete("k")
+    store = await _deletes_failed(
+        ChaosLayer(MemoryConnector.from_url(shared)), tmp_path, shared, "k"
+    )
     with caplog.at_level(logging.WARNING, logger="kvgate.jobs"):
         await store.close()
     assert any("1 keys it may hold older versions of" in r.message for r in caplog.records)
@@ -91,15 +100,7 @@ async def test_a_short_existence_answer_is_logged_not_raised(
 ) -> None:
     shared = f"memory://{uuid.uuid4().hex}"
     remote = _ShortExists(MemoryConnector.from_url(shared))
-    store = Store(_config(tmp_path, shared), connectors={2: remote})
-    await store.open()
-    for key in ("a", "b"):
-        await store.put(key, b"v" * 1000)
-    await store.flush()
-    remote.down = True
-    for key in ("a", "b"):
-        with pytest.raises(Unavailable):
-            await store.delete(key)
+    store = await _deletes_failed(remote, tmp_path, shared, "ab")
     remote.down = False
     with caplog.at_level(logging.WARNING, logger="kvgate.jobs"):
         await store.close()

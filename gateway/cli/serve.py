@@ -109,10 +109,15 @@ def serve(
         )
         raise typer.Exit(2) from None
     from gateway.config import load_config, redact_url
+    from gateway.errors import ConfigError
 
     # KVGATE_TOKEN is this command's, not a config field: keep it out of the config's view.
     env = {k: v for k, v in os.environ.items() if k != "KVGATE_TOKEN"}
-    cfg = load_config(config, env=env)
+    try:
+        cfg = load_config(config, env=env)
+    except ConfigError as exc:  # the message names the field and its source: no traceback
+        err.print(f"kvgate serve: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
     tiers = " -> ".join(
         redact_url(t.url) + (f" ({t.capacity:,} B)" if t.capacity else "") for t in cfg.tiers
     )

@@ -82,3 +82,10 @@ def test_serve_keeps_lm_private_unless_told() -> None:
         assert result.exit_code == 2
         assert "--lm-public" in result.output
         assert "T0KEN" not in result.output
+
+
+def test_serve_names_a_bad_config_value_without_a_traceback() -> None:
+    result = runner.invoke(app, ["serve"], env={"KVGATE_TIERS__0__CAPACITY": "12 potatoes"})
+    assert result.exit_code == 2
+    assert "KVGATE_TIERS__0__CAPACITY" in result.output
+    assert "Traceback" not in result.output

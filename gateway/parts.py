@@ -173,18 +173,24 @@ class ForeignValue(MalformedValue, ForeignObject):
 def parse_head(value: Buffer) -> Manifest | None:
     """The manifest in ``value``, or None when ``value`` is an inline object.
 
-    Raises ``MalformedValue`` for anything else (not written by ``StripedObjects``).
+    Raises ``ForeignValue`` for a value kvgate did not write (no tag, an unknown tag, no
+    manifest magic: left in place by readers) and ``MalformedValue`` for a manifest of ours
+    that is inconsistent.
     """
     view = memoryview(value).cast("B")
     if view.nbytes == 0:
-        raise MalformedValue("empty value (no tag byte)")
+        raise ForeignValue("empty value (no tag byte)")
     if view[0] == INLINE:
         return None
-    if view[0] != MANIFEST or view.nbytes != MANIFEST_SIZE:
-        raise MalformedValue(f"unknown tag {view[0]} or manifest of {view.nbytes} bytes")
+    if view[0] != MANIFEST:
+        raise ForeignValue(f"unknown tag {view[0]}")
+    if view.nbytes != MANIFEST_SIZE:
+        raise MalformedValue(f"manifest of {view.nbytes} bytes")
     magic, version, gen, total, part_size, count = _MANIFEST.unpack(view[1:])
-    if magic != _MAGIC or version != _VERSION or part_size <= 0:
-        raise MalformedValue("bad manifest magic, version or part size")
+    if magic != _MAGIC:
+        raise ForeignValue("no manifest magic")
+    if version != _VERSION or part_size <= 0:
+        raise MalformedValue("bad manifest version or part size")
     if count != -(-total // part_size):
         raise MalformedValue(f"manifest says {count} parts for {total} bytes of {part_size}")
     if count > MAX_PARTS:

@@ -44,6 +44,7 @@ from gateway.errors import (
 )
 from gateway.frame import MAX_HEADER_LEN, FrameHeader, decode_frame, payload_offset_of
 from gateway.frame_check import StreamingChecksum
+from gateway.log_limit import RepeatLimiter
 from gateway.memory import BufferPool, Slab
 from gateway.object_meta import meta_of_frame
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object
@@ -58,7 +59,7 @@ log = logging.getLogger("kvgate.tiers")
 # Objects a read refuses but does not delete: bytes the backend already took away, and
 # objects that may be someone else's to read (too large for this reader, not kvgate's, or
 # encrypted under a key this process lacks), in a backend other stores or programs share.
-_LEFT_IN_PLACE = (CorruptRemoved, ForeignObject, OverReadLimit)
+_LEFT_IN_PLACE = (CorruptRemoved, ForeignObject, KeyUnavailable, OverReadLimit)
 
 OFFLOAD_BYTES = 4 << 20  # CPU work on larger buffers runs in a thread, off the event loop
 T = TypeVar("T")
@@ -279,6 +280,9 @@ class ConnectorTier:
         self.codec = codec
         self.stats = stats
         self.ttl = ttl
+        # Objects left in place stay, and every read of one misses again: one line per kind
+        # and interval, with the count of those not logged.
+        self._left_in_place = RepeatLimiter()
         self._codecs: dict[str, Codec] = {codec.name: codec}
         # Side objects this tier wrote, and how many frames it has written since each.
         self._side_written: dict[str, int] = {}
@@ -377,11 +381,16 @@ class ConnectorTier:
             return None
         except CorruptObject as exc:
             self.stats.corrupt += 1
-            if isinstance(exc, KeyUnavailable):
-                log.warning("tier %s: an object this tier holds no key for: %s", self.name, exc)
-                return None
             if isinstance(exc, _LEFT_IN_PLACE):
-                log.warning("tier %s: an object under a key served as a miss: %s", self.name, exc)
+                quiet = self._left_in_place.admit(type(exc).__name__)
+                if quiet is not None:
+                    more = f" ({quiet} more such misses since the last line)" if quiet else ""
+                    log.warning(
+                        "tier %s: an object under a key served as a miss and left in place: %s%s",
+                        self.name,
+                        exc,
+                        more,
+                    )
                 return None
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
             await self._discard(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,18 @@ async def test_bytes_kvgate_did_not_write_are_a_miss_left_in_place() -> None:
     after = MemoryConnector.from_url(url)
     assert await after.get("theirs") == b"an LMCache engine's chunk, not a kvgate frame"
     assert await after.exists("empty")
+
+
+async def test_a_key_left_in_place_is_logged_once_not_on_every_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    shared = MemoryConnector.from_url(url)
+    await shared.put("theirs", b"not a kvgate frame")
+    async with Store(_shared_config(url), connectors={0: MemoryConnector.from_url(url)}) as store:
+        with caplog.at_level(logging.WARNING, logger="kvgate.tiers"):
+            for _ in range(5):
+                assert await store.get("theirs") is None
+        assert store.stats()["memory"].corrupt == 5
+    lines = [r for r in caplog.records if "left in place" in r.message]
+    assert len(lines) == 1

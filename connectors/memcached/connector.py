@@ -69,7 +69,7 @@ from connectors.memcached.config import (
     parse_url,
 )
 from gateway.connector import Allocator, BaseConnector, as_parts
-from gateway.errors import CapacityError, CorruptObject, Unavailable
+from gateway.errors import CapacityError, ForeignObject, Unavailable
 from gateway.parts import INLINE, MANIFEST_SIZE, StripedObjects
 from gateway.types import Buffer, BufferParts, Capabilities
 
@@ -80,8 +80,8 @@ _SMALL = 64 * 1024  # a main value this small is fetched whole (manifests are)
 _UNREAD_INLINE = bytes([INLINE])
 
 
-class ForeignValue(CorruptObject):
-    """A main key holds a value without kvgate's head (something else wrote it)."""
+class ForeignValue(ForeignObject):
+    """A main key holds a value without kvgate's head (something else wrote it): left in place."""
 
 
 def value_head(key: bytes) -> bytes:

@@ -43,7 +43,7 @@ from connectors.opendal.config import (
 from connectors.opendal.errors import OPENDAL_ERRORS, errors_mapped, mapped
 from gateway.client_baseline import baseline_objects, timed_put_get
 from gateway.connector import BaseConnector, as_parts, read_limit
-from gateway.errors import CapacityError, ConfigError, CorruptObject, Unavailable
+from gateway.errors import CapacityError, ConfigError, CorruptObject, OverReadLimit, Unavailable
 from gateway.types import Buffer, BufferParts, Capabilities, ObjectInfo
 
 CLEANUP_TIMEOUT = 1.0
@@ -207,7 +207,7 @@ class OpendalConnector(BaseConnector):
                     body = memoryview(data) if self.atomic != "sealed" else seal.unsealed(data)
                     if body is not None:
                         if limit is not None and body.nbytes > limit:
-                            raise CorruptObject(
+                            raise OverReadLimit(
                                 f"{self.scheme}: {key!r} holds {body.nbytes} bytes, "
                                 f"over the reader's {limit}"
                             )

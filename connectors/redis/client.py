@@ -18,7 +18,8 @@ single place where redis-py's exceptions are mapped:
 - AUTH failures (NOAUTH, WRONGPASS, ...), ACL refusals, a server certificate that does not
   verify -> ``ConfigError``, with every password scrubbed from the message;
 - OOM (``maxmemory`` reached under ``noeviction``) -> ``CapacityError``;
-- WRONGTYPE (a key of ours holding something we never write) -> ``CorruptObject``;
+- WRONGTYPE (a key of ours holding something we never write) -> ``ForeignObject`` (a miss,
+  left in place);
 - any other server error -> ``GatewayError`` with the server's message.
 
 ``endpoint_for(key)`` tells the fast path (``fastpath``) where a command on ``key`` goes: the
@@ -63,7 +64,7 @@ from gateway.config import REDACTED
 from gateway.errors import (
     CapacityError,
     ConfigError,
-    CorruptObject,
+    ForeignObject,
     GatewayError,
     Timeout,
     Unavailable,
@@ -118,7 +119,7 @@ def redis_error(exc: BaseException, where: str, secrets: Sequence[str] = ()) -> 
     ):
         return Unavailable(message)
     if isinstance(exc, ResponseError) and code == "WRONGTYPE":
-        return CorruptObject(f"{message} (a key of ours holds a value of another type)")
+        return ForeignObject(f"{message} (a key of ours holds a value of another type)")
     return GatewayError(message)
 
 

@@ -62,9 +62,9 @@ def client(url: str, token: str | None, timeout: float) -> Iterator[httpx.Client
         import httpx
     except ModuleNotFoundError:
         raise fail("these commands need httpx: pip install 'kvgate[gateway]'", 2) from None
-    from gateway.config import redact_url
-
-    shown = redact_url(url)
+    shown = shown_url(url)
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise fail(f"{shown}: the gateway's URL starts with http:// or https://", 2)
     if urlsplit(url).netloc.rpartition("@")[1]:
         # httpx would send it as Basic auth in place of the bearer token, which the gateway
         # does not read, and it would show in every message.
@@ -85,6 +85,17 @@ def client(url: str, token: str | None, timeout: float) -> Iterator[httpx.Client
             ) from None
 
 
+def shown_url(url: str) -> str:
+    """``url`` as messages show it: no password, and nothing before an ``@`` where there is
+    no scheme to tell a user part from the rest (``user:pw@host``, ``//user:pw@host``)."""
+    from gateway.config import redact_url
+
+    if "://" in url:
+        return redact_url(url)
+    _, at, after = url.rpartition("@")
+    return f"***@{after}" if at else url
+
+
 def object_path(key: str) -> str:
     segment = quote(key, safe="")
     return "/v1/objects/" + (segment.replace(".", "%2E") if segment in (".", "..") else segment)
@@ -95,9 +106,7 @@ def check(response: httpx.Response, url: str, key: str | None = None) -> None:
     status = response.status_code
     if status < 300:
         return
-    from gateway.config import redact_url
-
-    url = redact_url(url)
+    url = shown_url(url)
     if status == 404 and key is not None:
         raise fail(f"no object {key!r}", 1)
     if status == 401:

@@ -143,3 +143,14 @@ def test_a_password_in_the_url_is_refused_and_never_printed(kvgate: CliRunner) -
     assert "--token" in err
     assert "S3CRET-PW" not in err
     assert b"S3CRET-PW" not in out
+
+
+@pytest.mark.parametrize("url", ["alice:S3CRET-PW@127.0.0.1:1", "//alice:S3CRET-PW@127.0.0.1:1"])
+def test_a_url_without_a_scheme_is_refused_and_its_password_not_printed(
+    kvgate: CliRunner, url: str
+) -> None:
+    code, out, err = run(kvgate, "stat", "k", "--url", url)
+    assert code == 2
+    assert "http://" in err
+    assert "S3CRET-PW" not in err
+    assert b"S3CRET-PW" not in out

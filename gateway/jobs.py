@@ -302,8 +302,7 @@ class TierWriter:
         """
         keys = [key for key in self.stale if key not in self.latest]
         left = len(keys)
-        if not keys:
-            return
+        why = "its existence check answered for fewer keys than asked"
         try:
             async with asyncio.timeout(seconds):
                 for start in range(0, len(keys), SCRUB_BATCH):
@@ -315,10 +314,13 @@ class TierWriter:
                             await self.tier.delete(key)
                         self.stale.discard(key)
                         left -= 1
-        except Exception as exc:  # a close goes on whatever the tier does; this is logged
-            why = f"over {seconds:g} s" if isinstance(exc, TimeoutError) else repr(exc)
-            if isinstance(exc, GatewayError):
-                why = str(exc)
+        except GatewayError as exc:  # a close goes on whatever the tier does; this is logged
+            why = str(exc)
+        except TimeoutError:
+            why = f"over {seconds:g} s"
+        except Exception as exc:
+            why = repr(exc)
+        if left:
             log.warning(
                 "tier %s: %d keys it may hold older versions of (a write or delete of them "
                 "failed or was skipped) were not deleted at close (%s); a store opened on this "
@@ -326,14 +328,6 @@ class TierWriter:
                 self.tier.name,
                 left,
                 why,
-            )
-            return
-        if left:
-            log.warning(
-                "tier %s: %d keys it may hold older versions of were not deleted at close (its "
-                "existence check answered for fewer keys than asked)",
-                self.tier.name,
-                left,
             )
 
     def _finish(self, job: WriteJob) -> None:

@@ -605,18 +605,8 @@ class Store:
             entry = self.l1.lookup(k)
             if entry is not None:
                 return entry.meta
-        while True:
-            state = self._fetching.get(k)
-            if state is not None:
-                with contextlib.suppress(_Abandoned):
-                    shared = await asyncio.shield(state.future)
-                    return None if shared is None else shared.meta
-                continue
-            async with self._stat_reads:
-                if k in self._fetching:  # another started while this one waited: join it
-                    continue
-                found = await self._fetch_first(k, promote=False, alloc=self._free_pool_only)
-            return None if found is None else found.meta
+        found = await self._fetch_shared(k, reading=self._stat_reads)
+        return None if found is None else found.meta
 
     def _free_pool_only(self, nbytes: int) -> Slab | None:
         """Pool memory that is free now, evicting nothing (``stat``'s reads)."""
@@ -641,7 +631,9 @@ class Store:
     async def get_many(self, keys: Sequence[KeyLike]) -> list[object | None]:
         return list(await asyncio.gather(*(self.get(k) for k in keys)))
 
-    async def _fetch_shared(self, key: str) -> Found | None:
+    async def _fetch_shared(
+        self, key: str, *, reading: asyncio.Semaphore | None = None
+    ) -> Found | None:
         """Fetch ``key`` from the lower tiers, once for all the gets that ask meanwhile.
 
         The first get runs the fetch itself, in its own task: a task per fetch and the shield
@@ -649,11 +641,21 @@ class Store:
         gets that come while it runs wait for its outcome; if that first get is cancelled, its
         fetch stops and a waiting get fetches again (``_Abandoned``), so a cancel ends only
         the work of the get that was cancelled.
+
+        ``reading``: ``stat``'s bound on its own reads, which go to free pool memory only and
+        are not promoted (a fetch already under way is joined as it is).
         """
         while True:
             state = self._fetching.get(key)
             if state is None:
-                return await self._fetch_first(key)
+                if reading is None:
+                    return await self._fetch_first(key)
+                async with reading:
+                    if key not in self._fetching:  # none started while this one waited
+                        return await self._fetch_first(
+                            key, promote=False, alloc=self._free_pool_only
+                        )
+                continue
             try:
                 return await asyncio.shield(state.future)
             except _Abandoned:

@@ -62,10 +62,10 @@ def client(url: str, token: str | None, timeout: float) -> Iterator[httpx.Client
         import httpx
     except ModuleNotFoundError:
         raise fail("these commands need httpx: pip install 'kvgate[gateway]'", 2) from None
-    shown = shown_url(url)
-    if urlsplit(url).scheme not in ("http", "https"):
+    shown, parts = shown_url(url), urlsplit(url)
+    if parts.scheme not in ("http", "https"):
         raise fail(f"{shown}: the gateway's URL starts with http:// or https://", 2)
-    if urlsplit(url).netloc.rpartition("@")[1]:
+    if "@" in parts.netloc:
         # httpx would send it as Basic auth in place of the bearer token, which the gateway
         # does not read, and it would show in every message.
         raise fail(

@@ -307,7 +307,9 @@ class TierWriter:
             async with asyncio.timeout(seconds):
                 for start in range(0, len(keys), SCRUB_BATCH):
                     batch = keys[start : start + SCRUB_BATCH]
-                    held = await self.tier.exists_many(batch)
+                    # The backend's own answer: a key whose object this store could not
+                    # read (``UnreadableKeys``) is still there and may be an older version.
+                    held = await self.tier.connector.exists_many(batch)
                     # A short answer leaves the rest unknown: they stay, and are counted left.
                     for key, there in zip(batch, held, strict=False):
                         if there:

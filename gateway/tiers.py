@@ -53,6 +53,7 @@ from gateway.registry import load_codec
 from gateway.side_objects import REFRESH_WRITES, MissingSideObject, SideObjectUnavailable
 from gateway.thread_jobs import in_thread
 from gateway.types import Buffer, TierStats
+from gateway.unreadable import UnreadableKeys
 
 log = logging.getLogger("kvgate.tiers")
 
@@ -283,6 +284,8 @@ class ConnectorTier:
         # Objects left in place stay, and every read of one misses again: one line per kind
         # and interval, with the count of those not logged.
         self._left_in_place = RepeatLimiter()
+        # ... and lookups of their keys answer "not here", so the engine stores its own object.
+        self.unreadable = UnreadableKeys()
         self._codecs: dict[str, Codec] = {codec.name: codec}
         # Side objects this tier wrote, and how many frames it has written since each.
         self._side_written: dict[str, int] = {}
@@ -349,6 +352,7 @@ class ConnectorTier:
         )
         with writing_position(obj.position):  # for a gateway:// tier's remote codecs
             await self.connector.put(key, [head, *parts])
+        self.unreadable.discard(key)
 
     async def _write_side_objects(self) -> None:
         """Put the codec's side objects before the first frame that needs them (and again
@@ -374,14 +378,16 @@ class ConnectorTier:
         """
         try:
             with limiting_reads(frame_limit(max_size)):
-                return await self._read(key, alloc, max_size)
+                found = await self._read(key, alloc, max_size)
         except SideObjectUnavailable as exc:  # the frame is sound: kept for who has it
             self.stats.corrupt += 1
+            self.unreadable.add(key)
             log.warning("tier %s: object under a key served as a miss: %s", self.name, exc)
             return None
         except CorruptObject as exc:
             self.stats.corrupt += 1
             if isinstance(exc, _LEFT_IN_PLACE):
+                self.unreadable.add(key)
                 quiet = self._left_in_place.admit(type(exc).__name__)
                 if quiet is not None:
                     more = f" ({quiet} more such misses since the last line)" if quiet else ""
@@ -395,6 +401,8 @@ class ConnectorTier:
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
             await self._discard(key)
             return None
+        self.unreadable.discard(key)  # readable again (another writer replaced it), or gone
+        return found
 
     async def _read(
         self, key: str, alloc: Callable[[int], Slab | None], max_size: int
@@ -478,10 +486,15 @@ class ConnectorTier:
             log.debug("tier %s: could not delete a bad object: %s", self.name, exc)
 
     async def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        return await self.connector.exists_many(keys)
+        """Whether the tier holds each key; objects this store left in place as unreadable
+        count as absent (``UnreadableKeys``)."""
+        flags = await self.connector.exists_many(keys)
+        return self.unreadable.hide(keys, flags)
 
     async def delete(self, key: str) -> bool:
-        return await self.connector.delete(key)
+        removed = await self.connector.delete(key)
+        self.unreadable.discard(key)
+        return removed
 
 
 class _FrameAlloc:

@@ -85,7 +85,9 @@ async def test_missing_calibration_is_a_counted_miss_and_keeps_the_frame(
         assert await store.delete(side_key(cal_file[1]))
         assert await store.get("chunk0") is None
         assert store.stats()["file"].corrupt == 1
-        assert await store.contains("chunk0")  # not discarded: someone may have the calibration
+        # Not discarded (someone may have the calibration), but not looked up as stored here.
+        assert await store.tiers[0].connector.exists("chunk0")
+        assert not await store.contains("chunk0")
     # A writer puts the calibration again (with its next frame): the old frames read back.
     await write(tmp_path, cal_file[0], {"other": CHUNKS["chunk1"]})
     registry.forget_all()

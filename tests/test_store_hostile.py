@@ -193,3 +193,20 @@ async def test_a_key_left_in_place_is_logged_once_not_on_every_read(
         assert store.stats()["memory"].corrupt == 5
     lines = [r for r in caplog.records if "left in place" in r.message]
     assert len(lines) == 1
+
+
+async def test_a_key_left_in_place_is_not_looked_up_as_stored_until_this_store_writes_it() -> None:
+    # vLLM's scheduler plans loads from lookups: a prefix counted as stored that every get
+    # misses would be recomputed on every request and never saved again.
+    url = f"memory://{uuid.uuid4().hex}"
+    shared = MemoryConnector.from_url(url)
+    await shared.put("theirs", b"not a kvgate frame")
+    async with Store(_shared_config(url), connectors={0: MemoryConnector.from_url(url)}) as store:
+        await store.put("first", b"f" * 100, durable=True)
+        assert await store.lookup(["first", "theirs"]) == 2  # not read yet: the tier has it
+        assert await store.get("theirs") is None
+        assert await store.lookup(["first", "theirs"]) == 1
+        assert await store.contains_many(["first", "theirs"]) == [True, False]
+        await store.put("theirs", b"ours", durable=True)
+        assert await store.lookup(["first", "theirs"]) == 2
+        assert await store.get("theirs") == b"ours"

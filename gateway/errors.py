@@ -105,6 +105,16 @@ class KeyUnavailable(CorruptObject):
     kind = "corrupt"
 
 
+class IncompleteDelete(GatewayError):
+    """A delete removed the key from some tiers but failed on another, which may still hold it
+    (the store reads the key from that tier no more, and deletes it there again at close).
+
+    Not ``Unavailable``: the store that answers is up, so a client holding it as a tier (a
+    ``gateway://`` tier) does not count this toward its circuit breaker."""
+
+    kind = "incomplete_delete"
+
+
 class CapacityError(GatewayError):
     """The object does not fit: larger than allowed, or the backend is full."""
 

@@ -34,7 +34,14 @@ import xxhash
 
 from gateway.config import StoreConfig, TierConfig, load_config
 from gateway.connector import Connector, writing_durably
-from gateway.errors import CapacityError, ConfigError, GatewayError, InvalidObject, Unavailable
+from gateway.errors import (
+    CapacityError,
+    ConfigError,
+    GatewayError,
+    IncompleteDelete,
+    InvalidObject,
+    Unavailable,
+)
 from gateway.inflight import InFlight
 from gateway.jobs import Hold, TierWriter, WriteJob
 from gateway.keys import Key, normalize_key
@@ -737,10 +744,11 @@ class Store:
     async def delete(self, key: KeyLike) -> bool:
         """Remove ``key`` from every tier; True when any tier held it.
 
-        Every tier is tried; if any failed, the first failure is raised after the others were
-        tried. A tier whose delete failed is not read for the key (it may still hold it) until
-        a later write or delete of it succeeds, and a clean ``close`` deletes it there again
-        (``TierWriter.scrub``), so that a store opened later does not serve it.
+        Every tier is tried; if any failed, ``IncompleteDelete`` is raised after the others
+        were tried, naming the first failure (its cause). A tier whose delete failed is not read
+        for the key (it may still hold it) until a later write or delete of it succeeds, and a
+        clean ``close`` deletes it there again (``TierWriter.scrub``), so that a store opened
+        later does not serve it.
         """
         k = normalize_key(key)
         with await self._operation():
@@ -748,7 +756,7 @@ class Store:
             removed = any(w.pending(k) is not None for w in self.writers)
             marks = [w.hold(k) for w in self.writers]  # every tier, before the first await
             removed = (self.l1.remove(k) if self.l1 is not None else False) or removed
-            failed: GatewayError | None = None
+            failed: tuple[str, GatewayError] | None = None
             try:
                 for writer, mark in zip(self.writers, marks, strict=True):
                     ok = False
@@ -761,14 +769,17 @@ class Store:
                         log.warning(
                             "tier %s: delete failed (%s): %s", writer.tier.name, exc.kind, exc
                         )
-                        failed = failed or exc
+                        failed = failed or (writer.tier.name, exc)
                     finally:
                         writer.release(k, mark, ok)
             finally:  # cancelled or failed midway: the later tiers' holds end too
                 for writer, mark in zip(self.writers, marks, strict=True):
                     writer.release(k, mark, False)
             if failed is not None:
-                raise failed
+                name, cause = failed
+                raise IncompleteDelete(
+                    f"{k!r} may still be in tier {name}: its delete failed ({cause.kind}): {cause}"
+                ) from cause
             return removed
 
     async def lookup(self, keys: Sequence[KeyLike]) -> int:

@@ -18,7 +18,7 @@ from servers.tls import make_certificates
 
 from connectors.gateway import GatewayConnector
 from connectors.gateway.wire import OPAQUE
-from gateway.errors import CapacityError, ConfigError, Timeout, Unavailable
+from gateway.errors import CapacityError, ConfigError, IncompleteDelete, Timeout, Unavailable
 from gateway.store import Store
 
 # Transports differ between asyncio's loop and uvloop (what `kvgate serve` runs on).
@@ -80,6 +80,24 @@ async def test_the_413_of_the_remote_is_a_capacity_error(server: GatewayServer) 
     async with GatewayConnector.from_url(server.url) as conn:
         with pytest.raises(CapacityError, match="413"):
             await conn.put("too-big", bytes(2 << 20))
+
+
+async def test_a_remote_whose_lower_tier_fails_deletes_stays_in_use(tmp_path: Path) -> None:
+    # The remote is up: a delete its Redis tier failed is an error of that delete, and
+    # counts toward none of the client's breaker (5 failures), so puts and gets go on.
+    down = {"url": f"redis://127.0.0.1:{free_port()}", "timeout": 1.0}  # nothing listens
+    for server in gateway_server_at(tmp_path, lower_tiers=(down,)):
+        async with lower_store(server) as store:
+            for i in range(8):
+                await store.put(f"d{i}", b"x" * 100)
+                await store.flush()  # the remote's own put returns before its Redis write
+                with pytest.raises(IncompleteDelete, match="may still be in tier gateway"):
+                    await store.delete(f"d{i}")
+            await store.put("after", b"still served")
+            await store.flush()
+            assert store.stats()["gateway"].errors == {"incomplete_delete": 8}  # nothing else
+        async with lower_store(server) as store:  # a new memory tier: read from the remote
+            assert await store.get("after") == b"still served"
 
 
 async def test_token_is_required_and_never_shown(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from connectors.memory import MemoryConnector
 from gateway import Store
-from gateway.errors import Unavailable
+from gateway.errors import IncompleteDelete
 from gateway.layers import ChaosLayer
 
 
@@ -52,7 +52,7 @@ async def test_a_failed_delete_raises_and_is_done_again_at_close(tmp_path: Path)
         await store.put("k", b"v" * 1000)
         await store.flush()
         remote.down = True
-        with pytest.raises(Unavailable):
+        with pytest.raises(IncompleteDelete, match="may still be in tier"):
             await store.delete("k")
         assert await store.get("k") is None  # the remote may still hold it: not read
         remote.down = False
@@ -71,7 +71,7 @@ async def _deletes_failed(remote: ChaosLayer, tmp_path: Path, shared: str, keys:
     await store.flush()
     remote.down = True
     for key in keys:
-        with pytest.raises(Unavailable):
+        with pytest.raises(IncompleteDelete, match="may still be in tier"):
             await store.delete(key)
     return store
 

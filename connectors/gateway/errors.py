@@ -20,6 +20,7 @@ from gateway.errors import (
     ConfigError,
     CorruptObject,
     GatewayError,
+    IncompleteDelete,
     InvalidKey,
     NotFound,
     Timeout,
@@ -36,6 +37,7 @@ KINDS: dict[str, type[GatewayError]] = {
         NotFound,
         CapacityError,
         CorruptObject,
+        IncompleteDelete,
         Timeout,
         Unavailable,
     )

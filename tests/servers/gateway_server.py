@@ -52,11 +52,13 @@ def start_gateway(
     token: str | None = None,
     certfile: Path | None = None,
     keyfile: Path | None = None,
+    lower_tiers: tuple[dict[str, Any], ...] = (),
 ) -> GatewayServer:
-    """``certfile``/``keyfile``: serve HTTPS (for ``gateways://``)."""
+    """``certfile``/``keyfile``: serve HTTPS (for ``gateways://``). ``lower_tiers``: tier
+    configs after the memory tier."""
     port = free_port()
     cfg = {
-        "tiers": [{"url": "memory://", "capacity": capacity}],
+        "tiers": [{"url": "memory://", "capacity": capacity}, *lower_tiers],
         "prefault": False,
         "max_object_size": max_object_size,
     }

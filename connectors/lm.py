@@ -13,13 +13,17 @@ Mapping the contract onto a protocol that has only PUT, GET, EXIST, LIST and HEA
   (the server parses it); any other key becomes ``kvgate@1@0@<sha256 of the key>@uint8``, an
   LMCache key no engine writes.
 - put: PUT has no reply, so it is followed by an EXIST on the same connection: the put returns
-  once the server has stored the object (read-after-write on any connection) and fails if the
-  server dropped it.
+  once the server has stored the object (read-after-write on any connection). An EXIST that
+  answers "missing" means the server did not store it: kvgate's server drops a PUT over its
+  ``max_payload`` and goes on (its store may also have refused the object). That is a
+  ``CapacityError``, the object's problem, which neither the retries nor the circuit breaker
+  count (``gateway.layers``): the server answered, so it is not an outage.
 - delete: a tombstone PUT (``gateway.lmcache.wire``). kvgate's server deletes the key; the stock one
   stores the tombstone, which reads back as a miss. Against the stock server, ``exists`` and
   ``delete`` therefore GET the object after a positive EXIST, to tell a tombstone from data;
   against kvgate (recognised by its HEALTH reply) EXIST alone answers.
-- objects are limited to 2 GiB - 1 (the protocol's int32 length).
+- objects are limited to 2 GiB - 1 (the protocol's int32 length); a larger put is a
+  ``CapacityError`` before anything is sent.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from connectors._options import StrictOptions, parse_options, split_url
 from gateway.config import redact_url
 from gateway.connector import BaseConnector, as_parts, read_limit
 from gateway.errors import (
+    CapacityError,
     ConfigError,
     GatewayError,
     InvalidKey,
@@ -240,10 +245,13 @@ class LmConnector(BaseConnector):
         parts = as_parts(data)
         size = sum(p.nbytes for p in parts)
         if size > INT32_MAX:
-            raise Unavailable(f"{self!r}: {size} bytes is over lm://'s 2 GiB limit")
+            raise CapacityError(f"{self!r}: {size} bytes is over lm://'s 2 GiB limit")
         header = Request(Command.PUT, wire_key(key), size, Format.BINARY, UINT8, (size, 0, 0, 0))
         if not await self._send(header, parts):
-            raise Unavailable(f"{self!r}: the server did not store {key!r}")
+            raise CapacityError(
+                f"{self!r}: the server did not store {key!r} "
+                "(over its size limit, or its store refused it)"
+            )
 
     async def _send(self, header: Request, parts: list[memoryview]) -> bool:
         """PUT, then EXIST on the same connection: True once the server has the key."""

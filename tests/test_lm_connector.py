@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -16,9 +17,10 @@ from servers.proc import free_port
 
 from connectors.lm import LmConnector, parse_url, wire_key
 from gateway.connector import limiting_reads
-from gateway.errors import ConfigError, CorruptObject, Timeout, Unavailable
+from gateway.errors import CapacityError, ConfigError, CorruptObject, Timeout, Unavailable
 from gateway.keys import Key
-from gateway.lmcache.server import close_lm, serve_lm
+from gateway.layers import CircuitBreakerLayer, RetryLayer, find_layer
+from gateway.lmcache.server import close_lm, lm_stats, serve_lm
 from gateway.lmcache.wire import KEY_BYTES
 from gateway.store import Store
 
@@ -197,4 +199,47 @@ async def test_an_answer_longer_than_the_reader_takes_is_refused_unread(
             await conn.get("big")
         assert len(await conn.get("big") or b"") == 4 << 20  # no limit: read whole
     finally:
+        await conn.close()
+
+
+async def test_puts_over_the_servers_limit_are_refused_objects_not_an_outage() -> None:
+    """kvgate's server reads and drops a PUT over its ``max_payload`` and keeps the connection;
+    the EXIST after it answers "missing" and the put is a CapacityError. Through a Store's
+    lm:// tier (its layers: retries, a breaker that opens after 5 failures) six of them are
+    neither retried nor counted as failures: the breaker stays closed, and a small put and get
+    then go through on the same connection."""
+    backing_cfg = {"tiers": [{"url": "memory://", "capacity": 32 << 20}], "prefault": False}
+    async with Store(backing_cfg) as backing:
+        port = free_port()
+        server = await serve_lm(backing, "127.0.0.1", port, max_payload=64 << 10)
+        try:
+            tier = {"url": f"lm://127.0.0.1:{port}", "breaker": {"failures": 5}}
+            async with Store({"tiers": [tier], "prefault": False}) as store:
+                stack = store.tiers[0].connector
+                breaker = find_layer(stack, CircuitBreakerLayer)
+                retry = find_layer(stack, RetryLayer)
+                assert breaker is not None
+                assert retry is not None
+                for i in range(6):
+                    with pytest.raises(CapacityError, match="did not store"):
+                        await store.put(f"big{i}", bytes(256 << 10), durable=True)
+                assert breaker.state == "closed"
+                assert retry.retries == 0  # not sent again: the object is the problem
+                await store.put("small", b"fits", durable=True)
+                assert await store.get("small") == b"fits"
+                assert lm_stats(server).connections == 1  # the one connection went on
+        finally:
+            await close_lm(server)
+
+
+async def test_a_put_over_the_protocols_limit_is_a_capacity_error() -> None:
+    """Over lm://'s int32 length the object cannot travel at all: refused before any byte is
+    sent (no connection needed), as the object's problem rather than the server's."""
+    huge = mmap.mmap(-1, 1 << 31)  # 2 GiB of address space, none of it touched
+    conn = LmConnector.from_url(f"lm://127.0.0.1:{free_port()}")
+    try:
+        with memoryview(huge) as view, pytest.raises(CapacityError, match="2 GiB"):
+            await conn.put("k", view)
+    finally:
+        huge.close()
         await conn.close()

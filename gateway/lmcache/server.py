@@ -11,10 +11,16 @@ of the same key sees them:
   back as uint8 ``[length, 0, 0, 0]``. A kvgate tombstone PUT deletes the key.
 - LIST is answered (200 with an empty list: kvgate does not enumerate its tiers over lm://);
   the stock server never answers it.
-- A malformed or truncated header, an unknown command, a negative length or one over
-  ``max_payload`` closes that one connection; a key that is not an LMCache key string is a
-  miss (GET, EXIST) or dropped (PUT, after reading its payload). Store failures are misses,
-  never crashes.
+- A malformed or truncated header, an unknown command or a negative length closes that one
+  connection; a key that is not an LMCache key string is a miss (GET, EXIST) or dropped (PUT,
+  after reading its payload). Store failures are misses, never crashes.
+- A PUT over ``max_payload`` is not stored, and the connection goes on: PUT has no reply to
+  refuse it with, and closing would cut off a healthy client (LMCache's never reconnects;
+  kvgate's connector would count an outage) over one object. Its payload is read and dropped
+  as it arrives (into one small scratch buffer per server, never kept), at the pace every
+  payload must keep (below), and the key's older object, if any, is deleted: the PUT replaced
+  it, so the EXIST a client may send next answers "missing" and no reader takes the older
+  object for the one refused. One log line per interval, not one per PUT.
 
 What a client's numbers cannot do (the protocol has no authentication: see ``serve``):
 
@@ -95,6 +101,7 @@ KEEP_BUFFER = 64 << 20  # a connection keeps its receive buffer up to this size 
 KEEP_TOTAL = 256 << 20  # ... and all connections together keep at most this much
 MAP_FROM = 1 << 20  # payload buffers from this size on are mappings of untouched pages
 MIN_READ = 64 << 10  # the smallest read of a payload near the budget's limit
+DROP_READ = 256 << 10  # the scratch an oversized PUT's payload is read into and dropped
 DIRECT_SEND = 256 << 10  # GET payloads from this size on are sent without the transport
 STAGE_FROM = 256 << 10  # tensor payloads from this size on are received into the store's pool
 DEFAULT_MAX_CONNECTIONS = 256
@@ -162,6 +169,9 @@ class _Shared:
         self.kept = 0  # bytes of receive buffers connections keep between PUTs
         # Payloads being received into the store's pool, bounded (``StagingAllowance``).
         self.staging = StagingAllowance(store, budget.limit)
+        # What oversized PUTs' payloads are read into: never read back, so all connections
+        # share it (each read fills it and is dropped before the next one starts).
+        self.scratch = memoryview(bytearray(DROP_READ))
         self.lines = RepeatLimiter()  # one line per kind of trouble, not one per connection
         self.sweeper: asyncio.Task[None] | None = None
 
@@ -242,6 +252,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
         self.can_write.set()
         self._kept = False  # the buffer counts in the server's kept bytes
         self.staged: Slab | None = None  # the store's memory this PUT's payload goes into
+        self.dropping: Request | None = None  # a PUT over max_payload whose payload arrives
 
     # -- transport callbacks --------------------------------------------------------------
 
@@ -289,7 +300,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
         engine's connection, opened when it started and never reopened (LMCache's client
         does not reconnect), is the last to go.
         """
-        if self.handling or self.request is not None:
+        if self.handling or self.request is not None or self.dropping is not None:
             return None
         if self.started is not None:
             return (0, self.started) if now - self.started >= RECLAIM_IDLE else None
@@ -303,7 +314,7 @@ class _LmProtocol(asyncio.BufferedProtocol):
         """Seconds this connection has given the server nothing to do: between requests, or
         in a header that has not arrived whole (LMCache's client sends one in one piece);
         0 while a payload arrives or a request is handled."""
-        if self.handling or self.request is not None:
+        if self.handling or self.request is not None or self.dropping is not None:
             return 0.0
         if self.started is not None:  # part of a header
             return now - self.started
@@ -318,7 +329,10 @@ class _LmProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         # At most the rest of the current header or payload: a read never crosses into the
         # next request, so pipelined requests wait in the socket until this one is handled.
-        # A payload's read is also kept to what the payload budget has room for.
+        # A payload's read is also kept to what the payload budget has room for; a dropped
+        # one's goes into the scratch (it costs no budget: nothing of it is kept).
+        if self.dropping is not None:
+            return self.shared.scratch[: self.dropping.length - self.got]
         if self.request is not None:
             room = self.shared.budget.room(self, MIN_READ)
             if room is not None:
@@ -330,6 +344,10 @@ class _LmProtocol(asyncio.BufferedProtocol):
         if self.started is None:  # the first bytes of a request
             self.started = now
         self.got += nbytes
+        if self.dropping is not None:
+            if self.got == self.dropping.length:
+                self._dropped(self.dropping)
+            return
         within = self.request is None or self.shared.budget.charge(self, nbytes)
         if self.got < len(self.target):
             if not within:  # over the payload budget: wait for stored payloads to give back
@@ -380,9 +398,34 @@ class _LmProtocol(asyncio.BufferedProtocol):
             self._start(req, memoryview(b""))
             return
         if req.length > self.shared.max_payload:
-            self._close(f"payload of {req.length} bytes over {self.shared.max_payload}")
+            self._drop(req)
             return
         self._receive(req)
+
+    def _drop(self, req: Request) -> None:
+        """Read ``req``'s payload, over ``max_payload``, and keep none of it (module docs)."""
+        self.shared.note(
+            "oversized put",
+            "a PUT of %d bytes is over max_payload (%d bytes): its payload is read and "
+            "dropped, not stored, and the connection goes on",
+            req.length,
+            self.shared.max_payload,
+        )
+        self.dropping = req
+        self.got = 0
+        self.started = self._now()  # the payload's pace counts from here, as a kept one's
+
+    def _dropped(self, req: Request) -> None:
+        """The whole payload of an oversized PUT has been read: delete what the key held."""
+        self.dropping = None
+        key = _canonical_key(req.key)
+        if key is None:
+            self._served()
+            return
+        self._begin(lambda: self._forget(key))
+
+    async def _forget(self, key: str) -> None:
+        await self._guard(self.shared.store.delete(key), False)
 
     def resume(self) -> None:
         """The payload budget lets this connection read again (``ArrivalBudget.Receiver``)."""

@@ -8,6 +8,9 @@ oversized, a client that vanishes mid-payload, concurrent and pipelined clients.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -17,7 +20,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from servers.lm_raw import KEY, Server, put, raw_header
-from servers.lmcache import run_lmcache_client
+from servers.lmcache import ENV as LMCACHE_ENV
+from servers.lmcache import lmcache_venv, run_lmcache_client
 from servers.proc import free_port
 
 from gateway.lmcache.server import STAGE_FROM, close_lm, serve_lm
@@ -177,14 +181,40 @@ async def test_invalid_key_is_a_miss_and_keeps_the_connection(server: Server) ->
     await client.close()
 
 
+async def test_a_put_over_max_payload_is_dropped_and_the_connection_goes_on(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PUT has no reply to refuse it with: one over ``max_payload`` has its payload read and
+    dropped, and the connection goes on with the next request. The key holds nothing after
+    it (an older object under it is deleted: the PUT replaced it), so a client's EXIST tells
+    it the PUT was not stored. The operator gets one log line, not one per PUT."""
+    caplog.set_level(logging.WARNING, logger="kvgate.lmserver")
+    other = "llama@1@0@def456@bfloat16"
+    big = bytes(range(256)) * ((MAX_PAYLOAD + 1024) // 256)
+    client = await server.connect()
+    await client.send(put(other, b"kept", Format.BINARY, 6, (4,)))
+    await client.send(put(KEY, b"older", Format.BINARY, 6, (5,)))
+    for key in (KEY, "not a key", KEY):  # an invalid key's is dropped the same way
+        await client.send(put(key, big, Format.BINARY, 6, (len(big),)))
+    reply, body = await client.ask(Request(Command.GET, other))  # read in its place
+    assert (reply.code, body) == (Code.OK, b"kept")
+    assert (await client.ask(Request(Command.EXIST, other)))[0].code == Code.OK
+    assert (await client.ask(Request(Command.EXIST, KEY)))[0].code == Code.FAIL
+    await client.send(put(KEY, b"newer", Format.BINARY, 6, (5,)))
+    reply, body = await client.ask(Request(Command.GET, KEY))
+    assert (reply.code, body) == (Code.OK, b"newer")
+    await client.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.lmserver"]
+    assert len(lines) == 1, lines
+    assert "max_payload" in lines[0]
+
+
 @pytest.mark.parametrize(
     "header",
     [
         raw_header(9, 0),  # unknown command
         raw_header(0, 0),
         raw_header(Command.PUT, -1),  # negative length
-        raw_header(Command.PUT, MAX_PAYLOAD + 1),  # over max_payload
-        raw_header(Command.PUT, 2**31 - 1),
         raw_header(Command.GET, 0, fmt=99),  # unknown memory format
         raw_header(Command.GET, 0, dtype=42),  # unknown dtype code
         REQUEST.pack(2, 0, 1, 3, 7, 0, 0, 0, 0, KEY.encode().ljust(150)),  # unknown location
@@ -432,3 +462,35 @@ async def test_lmcache_client_puts_and_gets_a_kv_chunk(server: Server, dtype: st
     stored = await server.store.get(result["key"])  # and kvgate sees the chunk as a tensor
     assert isinstance(stored, torch.Tensor)
     assert list(stored.shape) == result["shape"]
+
+
+async def test_lmcache_clients_connection_survives_a_put_over_max_payload() -> None:
+    """LMCache's client opens one connection and never reconnects: a chunk over kvgate's
+    max_payload is dropped (EXIST says so) and that connection goes on answering."""
+    script = Path(__file__).with_name("lmcache_oversized.py")
+    python = lmcache_venv() / "bin" / "python"
+    cfg = {"tiers": [{"url": "memory://", "capacity": 32 << 20}], "prefault": False}
+    async with Store(cfg) as store:
+        other = "kvgate-bench@1@0@5eed0002@bfloat16"  # the script's other key
+        await store.put(other, torch.ones(4, dtype=torch.bfloat16), fmt=Format.KV_2LTD)
+        port = free_port()
+        srv = await serve_lm(store, "127.0.0.1", port, max_payload=1 << 20)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                str(python),
+                str(script),
+                "--port",
+                str(port),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, **LMCACHE_ENV},
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), 120.0)
+        finally:
+            await close_lm(srv)
+    assert proc.returncode == 0, err.decode(errors="replace")[-4000:]
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    assert result["put_bytes"] > 1 << 20
+    assert result["other_key"] == other
+    assert result["exists_put"] is False  # dropped, not stored
+    assert result["exists_other"] is True  # answered on the same connection

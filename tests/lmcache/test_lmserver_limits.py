@@ -139,6 +139,53 @@ async def test_a_trickling_payload_is_closed_and_frees_its_slot() -> None:
             await trickler.close()
 
 
+async def test_a_trickling_put_over_max_payload_is_closed() -> None:
+    """A PUT over max_payload is read and dropped rather than refused with a close, at the
+    pace every payload must keep: declaring 2 GiB and sending a little now and then holds the
+    connection only until the trickle falls behind (min_rate after request_timeout)."""
+    async with serving(request_timeout=0.5, max_payload=MiB) as server:
+        assert server.handle is not None
+        trickler = await server.connect()
+        await trickler.send(raw_header(Command.PUT, 2 * GiB - 1, fmt=4, dtype=6))
+
+        async def trickle() -> None:
+            while True:
+                with contextlib.suppress(ConnectionError):
+                    trickler.writer.write(bytes(1024))
+                await asyncio.sleep(0.1)
+
+        dripping = asyncio.create_task(trickle())
+        try:
+            await asyncio.sleep(0.3)
+            assert lm_stats(server.handle).connections == 1  # within its pace: still read
+            started = time.monotonic()
+            assert await trickler.closed_by_server()
+            assert time.monotonic() - started < 2.0
+            assert await healthy(server) < IO_LIMIT
+        finally:
+            dripping.cancel()
+        await trickler.close()
+
+
+async def test_a_put_over_max_payload_costs_no_memory() -> None:
+    """What an oversized PUT sends is counted and dropped, not kept: 256 MiB of it leave the
+    server's memory as it was, and the connection answers the next request."""
+    async with serving(max_payload=MiB) as server:
+        await round_trip(server, KEY, b"stored first")
+        client = await server.connect()
+        before = rss()
+        await client.send(raw_header(Command.PUT, 256 * MiB, fmt=4, dtype=6))
+        chunk = bytes(MiB)
+        for _ in range(256):
+            await client.send(chunk)
+        reply, _ = await client.ask(Request(Command.EXIST, KEY))
+        assert reply.code == Code.FAIL  # the key's object was replaced by nothing
+        grown = rss() - before
+        assert grown < 32 * MiB, f"RSS grew {grown / MiB:.0f} MiB for a dropped payload"
+        assert (await client.ask(Request(Command.HEALTH, "")))[0].code == Code.OK
+        await client.close()
+
+
 async def test_a_reply_that_is_never_read_closes_the_connection() -> None:
     """A client that asks for a large object and does not read it loses its connection;
     others are served meanwhile."""

@@ -75,6 +75,13 @@ def serve(
     body_min_rate: Annotated[
         str, typer.Option(help="bytes/s a body must average after --body-timeout s (0: any)")
     ] = "1MiB",
+    header_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="seconds a request's line and headers may take to arrive (then 408 and close)",
+        ),
+    ] = 10.0,
     log_level: Annotated[
         str, typer.Option(help="log level of uvicorn and of kvgate's own lines")
     ] = "info",
@@ -101,6 +108,7 @@ def serve(
         import uvicorn
 
         from gateway.http.app import create_app
+        from gateway.http.head_timeout import head_timeout_protocol
         from gateway.lmcache.server import lm_serving
     except ModuleNotFoundError as exc:
         err.print(
@@ -138,7 +146,15 @@ def serve(
     )
     log_to_stderr(log_level)
     # uvloop and httptools when installed ("auto"); the plain asyncio loop and h11 otherwise.
-    uvicorn.run(application, host=host, port=port, log_level=log_level, loop="auto", http="auto")
+    # The protocol is uvicorn's with a bound on each request's head (uvicorn has none).
+    uvicorn.run(
+        application,
+        host=host,
+        port=port,
+        log_level=log_level,
+        loop="auto",
+        http=head_timeout_protocol(header_timeout, "auto"),
+    )
 
 
 # kvgate's own loggers ("kvgate.*", and modules' ``__name__`` loggers), which uvicorn's

@@ -27,6 +27,7 @@ from gateway.errors import (
     ConfigError,
     CorruptObject,
     GatewayError,
+    IncompleteDelete,
     InvalidKey,
     InvalidObject,
     NotFound,
@@ -64,6 +65,7 @@ STATUS: list[tuple[type[GatewayError], int]] = [
     (CapacityError, 413),
     (Unsupported, 415),
     (CorruptObject, 502),
+    (IncompleteDelete, 502),  # a tier behind this service failed; the service itself is up
     (Timeout, 504),
     (Unavailable, 503),
     (GatewayError, 500),

@@ -163,6 +163,8 @@ def parse_header(blob: Buffer) -> tuple[FrameHeader, int]:
     magic, version, flags, reserved, header_len, check = PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise ForeignObject("bad frame magic: not a kvgate frame")
+    if version > VERSION:  # a newer kvgate's, in a backend shared during a rolling upgrade
+        raise ForeignObject(f"frame version {version} is newer than this kvgate reads")
     if version not in READABLE_VERSIONS or flags != 0 or reserved != 0:
         raise CorruptObject(f"unknown frame version {version} (flags {flags})")
     if header_len > MAX_HEADER_LEN or PREFIX_LEN + header_len > view.nbytes:

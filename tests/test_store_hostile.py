@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 import zstandard
 
 from connectors.memory import MemoryConnector
@@ -210,3 +211,29 @@ async def test_a_key_left_in_place_is_not_looked_up_as_stored_until_this_store_w
         await store.put("theirs", b"ours", durable=True)
         assert await store.lookup(["first", "theirs"]) == 2
         assert await store.get("theirs") == b"ours"
+
+
+def _with_version(frame: bytes, version: int) -> bytes:
+    """``frame`` relabelled as ``version``, its header checksum made right again."""
+    out = bytearray(frame)
+    out[4] = version
+    header_len = int.from_bytes(out[8:12], "little")
+    body = bytes(out[16 : 16 + header_len])
+    out[12:16] = xxhash.xxh32_intdigest(bytes(out[:12]) + body).to_bytes(4, "little")
+    return bytes(out)
+
+
+async def test_a_frame_of_a_newer_version_is_a_miss_left_for_the_newer_readers() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    async with Store(_shared_config(url), connectors={0: MemoryConnector.from_url(url)}) as writer:
+        await writer.put("newer", b"n" * 100, durable=True)
+        await writer.put("zero", b"z" * 100, durable=True)
+    shared = MemoryConnector.from_url(url)
+    shared.objects["newer"] = _with_version(shared.objects["newer"], 3)
+    shared.objects["zero"] = _with_version(shared.objects["zero"], 0)
+    async with Store(_shared_config(url), connectors={0: MemoryConnector.from_url(url)}) as store:
+        assert await store.get("newer") is None
+        assert await store.get("zero") is None
+        assert store.stats()["memory"].corrupt == 2
+    assert await shared.exists("newer")  # perhaps a newer kvgate's, in a rolling upgrade
+    assert not await shared.exists("zero")  # no kvgate writes version 0: corrupt, removed

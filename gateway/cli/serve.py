@@ -82,6 +82,10 @@ def serve(
             help="seconds a request's line and headers may take to arrive (then 408 and close)",
         ),
     ] = 10.0,
+    max_header_bytes: Annotated[
+        str,
+        typer.Option(help="largest request URL and headers together (then 431 and close)"),
+    ] = "64KiB",
     log_level: Annotated[
         str, typer.Option(help="log level of uvicorn and of kvgate's own lines")
     ] = "info",
@@ -108,7 +112,7 @@ def serve(
         import uvicorn
 
         from gateway.http.app import create_app
-        from gateway.http.head_timeout import head_timeout_protocol
+        from gateway.http.head_limits import head_limits_protocol
         from gateway.lmcache.server import lm_serving
     except ModuleNotFoundError as exc:
         err.print(
@@ -119,6 +123,22 @@ def serve(
     from gateway.config import load_config, redact_url
     from gateway.errors import ConfigError
 
+    sizes: dict[str, int] = {}
+    for option, value in [
+        ("--max-body", max_body),
+        ("--body-min-rate", body_min_rate),
+        ("--max-header-bytes", max_header_bytes),
+    ]:
+        try:
+            sizes[option] = parse_size(value)
+        except ValueError as exc:  # parse_size's ConfigError is one too
+            err.print(f"kvgate serve: {option}: {exc}", markup=False, highlight=False)
+            raise typer.Exit(2) from None
+    try:  # uvicorn's protocol with a bound on each request's head (uvicorn has none)
+        http = head_limits_protocol(header_timeout, "auto", max_bytes=sizes["--max-header-bytes"])
+    except ValueError as exc:
+        err.print(f"kvgate serve: --max-header-bytes: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
     # KVGATE_TOKEN is this command's, not a config field: keep it out of the config's view.
     env = {k: v for k, v in os.environ.items() if k != "KVGATE_TOKEN"}
     try:
@@ -137,24 +157,16 @@ def serve(
     application = create_app(
         cfg,
         token=token,
-        max_body=parse_size(max_body),
+        max_body=sizes["--max-body"],
         body_timeout=body_timeout,
-        body_min_rate=parse_size(body_min_rate),
+        body_min_rate=sizes["--body-min-rate"],
         companions=[]
         if lm_port is None
         else [partial(lm_serving, host=lm_host, port=lm_port, idle_timeout=lm_idle_timeout)],
     )
     log_to_stderr(log_level)
     # uvloop and httptools when installed ("auto"); the plain asyncio loop and h11 otherwise.
-    # The protocol is uvicorn's with a bound on each request's head (uvicorn has none).
-    uvicorn.run(
-        application,
-        host=host,
-        port=port,
-        log_level=log_level,
-        loop="auto",
-        http=head_timeout_protocol(header_timeout, "auto"),
-    )
+    uvicorn.run(application, host=host, port=port, log_level=log_level, loop="auto", http=http)
 
 
 # kvgate's own loggers ("kvgate.*", and modules' ``__name__`` loggers), which uvicorn's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from gateway.cli.app import app
@@ -82,6 +83,14 @@ def test_serve_keeps_lm_private_unless_told() -> None:
         assert result.exit_code == 2
         assert "--lm-public" in result.output
         assert "T0KEN" not in result.output
+
+
+@pytest.mark.parametrize("option", ["--max-body", "--body-min-rate", "--max-header-bytes"])
+def test_serve_names_a_bad_size_option_without_a_traceback(option: str) -> None:
+    result = runner.invoke(app, ["serve", option, "12 potatoes"])
+    assert result.exit_code == 2
+    assert f"{option}: malformed size" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
 def test_serve_names_a_bad_config_value_without_a_traceback() -> None:

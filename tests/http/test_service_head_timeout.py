@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -23,7 +25,7 @@ from servers.proc import free_port
 from test_service_auth import _wait_ready
 
 from gateway.http.app import create_app
-from gateway.http.head_timeout import head_timeout_protocol
+from gateway.http.head_limits import head_limits_protocol
 
 BOUND = 1.0  # the header timeout the servers run with (s)
 KEEP_ALIVE = 5  # uvicorn's default keep-alive timeout (s), which `kvgate serve` keeps
@@ -121,10 +123,10 @@ async def _scenarios(port: int) -> None:
     )
 
 
-async def _served_here(http: Literal["httptools", "h11"]) -> AsyncIterator[int]:
+async def _served_here(protocol: type[asyncio.Protocol]) -> AsyncIterator[int]:
+    """The app under uvicorn in this process with the HTTP ``protocol`` class; yields its port."""
     app = create_app({"tiers": [{"url": "memory://", "capacity": 8 << 20}]}, body_pool=0)
     port = free_port()
-    protocol = head_timeout_protocol(BOUND, http)
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
@@ -152,7 +154,7 @@ async def _served_here(http: Literal["httptools", "h11"]) -> AsyncIterator[int]:
 async def test_heads_are_bounded_under_each_protocol_and_loop(
     http: Literal["httptools", "h11"],
 ) -> None:
-    server = _served_here(http)
+    server = _served_here(head_limits_protocol(BOUND, http))
     port = await anext(server)
     try:
         await _scenarios(port)
@@ -160,25 +162,33 @@ async def test_heads_are_bounded_under_each_protocol_and_loop(
         await server.aclose()
 
 
-@pytest.fixture(scope="module")
-def kvgate_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """``kvgate serve --header-timeout BOUND`` in a subprocess; yields its port."""
-    tmp = tmp_path_factory.mktemp("serve")
+@contextmanager
+def serving(tmp: Path, *options: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``kvgate serve`` on a memory tier with ``options`` (``--port`` among them), in a
+    subprocess, ready."""
     config = tmp / "kvgate.yaml"
     config.write_text("tiers:\n  - url: 'memory://'\n    capacity: 8MiB\n")
-    port = free_port()
     log = tmp / "serve.log"
-    command = [sys.executable, "-m", "gateway.cli", "serve", "-f", str(config)]
-    command += ["--port", str(port), "--log-level", "warning", "--header-timeout", str(BOUND)]
+    command = [sys.executable, "-m", "gateway.cli", "serve", "-f", str(config), *options]
     env = {k: v for k, v in os.environ.items() if k != "KVGATE_TOKEN"}
     with log.open("wb") as out:
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
+        port = options[options.index("--port") + 1]
         _wait_ready(f"http://127.0.0.1:{port}", proc, log)
-        yield port
+        yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def kvgate_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """``kvgate serve --header-timeout BOUND`` in a subprocess; yields its port."""
+    port = free_port()
+    options = ["--port", str(port), "--log-level", "warning", "--header-timeout", str(BOUND)]
+    with serving(tmp_path_factory.mktemp("serve"), *options):
+        yield port
 
 
 async def test_kvgate_serve_bounds_heads(kvgate_serve: int) -> None:
@@ -187,4 +197,4 @@ async def test_kvgate_serve_bounds_heads(kvgate_serve: int) -> None:
 
 def test_the_bound_must_be_positive() -> None:
     with pytest.raises(ValueError, match="> 0"):
-        head_timeout_protocol(0)
+        head_limits_protocol(0)

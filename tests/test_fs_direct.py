@@ -29,7 +29,7 @@ from connectors.fs.connector import FileConnector
 from connectors.fs.read import DIRECT_IO_BYTES
 from gateway import Store
 from gateway.config import load_config
-from gateway.errors import CapacityError
+from gateway.errors import CapacityError, CorruptObject
 from gateway.testing import assert_same_bytes, make_bytes
 
 MiB = 1 << 20
@@ -304,6 +304,90 @@ async def test_a_direct_read_asks_for_a_buffer_at_the_datas_phase(tmp_path: Path
     assert_same_bytes(await again.get_into("k", alloc), LEAD + body)
     assert alloc.phases == [data_offset % rec.DIO_ALIGN] * 2
     await again.close()
+
+
+@pytest.mark.parametrize("size", [MiB, MiB + 1, 3 * MiB + 7])
+@pytest.mark.parametrize("key", ["k", "long/" + "k" * 5000])  # a head over one block
+async def test_a_placed_direct_read_is_one_request_and_leaves_no_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int, key: str
+) -> None:
+    # A raw O_DIRECT read of a file is one request; the header read on its own and the data's
+    # partial blocks each cost one more, and the header's read filled the page cache.
+    body = make_bytes(size, seed=size)
+    conn = FileConnector(tmp_path, direct_io=True)
+    await conn.put(key, [LEAD, aligned(body)])
+    calls: list[int] = []
+    real_preadv = os.preadv
+    real_pread = os.pread
+
+    def counting_preadv(fd: int, buffers: Any, offset: int) -> int:
+        calls.append(offset)
+        return real_preadv(fd, buffers, offset)
+
+    def counting_pread(fd: int, n: int, offset: int) -> bytes:
+        calls.append(offset)
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    monkeypatch.setattr(os, "pread", counting_pread)
+    assert_same_bytes(await conn.get_into(key, PlacedRecorder()), LEAD + body)
+    monkeypatch.undo()
+    assert calls == [0]
+    assert resident_bytes(conn.path_for(key)) == 0
+    await conn.close()
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        pytest.param(lambda p: flip_byte(p, file_size(p)), id="magic"),
+        pytest.param(lambda p: flip_byte(p, file_size(p) - 24), id="key"),
+        pytest.param(lambda p: os.truncate(p, file_size(p) - 1), id="truncated"),
+        pytest.param(lambda p: os.truncate(p, file_size(p) + 1), id="longer by a byte"),
+        pytest.param(lambda p: os.truncate(p, file_size(p) + 3 * 4096), id="longer by blocks"),
+        pytest.param(lambda p: os.truncate(p, 100), id="cut in the head"),
+        pytest.param(lambda p: os.truncate(p, 0), id="empty"),
+    ],
+)
+async def test_a_placed_direct_read_of_a_broken_record_quarantines_it(
+    tmp_path: Path, mangle: Any
+) -> None:
+    conn = FileConnector(tmp_path, direct_io=True)
+    await conn.put("k", [LEAD, aligned(make_bytes(MiB))])
+    mangle(conn.path_for("k"))
+    with pytest.raises(CorruptObject):
+        await conn.get_into("k", PlacedRecorder())
+    assert not await conn.exists("k")
+    assert conn.corrupt_files == 1
+    await conn.close()
+
+
+@pytest.mark.parametrize("other_size", [MiB, 2 * MiB, 100])
+async def test_a_placed_direct_read_finds_the_record_that_replaced_the_indexed_one(
+    tmp_path: Path, other_size: int
+) -> None:
+    """Another record of the key in place of the one indexed (as a put racing the read
+    leaves it): read as that record, whatever its size and layout, never cut to the old one."""
+    conn = FileConnector(tmp_path / "a", direct_io=True)
+    await conn.put("k", [LEAD, aligned(make_bytes(MiB))])
+    other = FileConnector(tmp_path / "b", direct_io=True)
+    newer = make_bytes(other_size, seed=7)
+    await other.put("k", [b"another lead", aligned(newer)] if other_size > 100 else newer)
+    os.replace(other.path_for("k"), conn.path_for("k"))
+    want = (b"another lead" + newer) if other_size > 100 else newer
+    assert_same_bytes(await conn.get_into("k", PlacedRecorder()), want)
+    await conn.close()
+    await other.close()
+
+
+async def test_another_keys_record_under_a_placed_direct_read_is_a_miss(tmp_path: Path) -> None:
+    conn = FileConnector(tmp_path, direct_io=True)
+    await conn.put("a", [LEAD, aligned(make_bytes(MiB))])
+    await conn.put("b", [LEAD, aligned(make_bytes(MiB, seed=2))])
+    os.replace(conn.path_for("b"), conn.path_for("a"))  # what a hash collision looks like
+    with pytest.raises(CorruptObject):
+        await conn.get_into("a", PlacedRecorder())
+    await conn.close()
 
 
 @pytest.mark.parametrize("offset", [0, 24, 4095, 4096, 5000])

@@ -84,7 +84,8 @@ from connectors.fs import record as rec
 from connectors.fs import snapshot
 from connectors.fs.dirs import Name, Symlink, Tree
 from connectors.fs.keylocks import KeyLocks
-from connectors.fs.read import DIRECT_IO_BYTES, SizeChanged, read_object
+from connectors.fs.read import DIRECT_IO_BYTES, read_object
+from connectors.fs.record import SizeChanged
 from gateway.background import low_priority_threads, pool_for
 from gateway.connector import (
     Allocator,
@@ -456,7 +457,9 @@ class FileConnector(BaseConnector):
                     filled = fill_hook(alloc) if given is not None else None
                     try:
                         await _in_thread(
-                            functools.partial(read_object, opener, key, buf, filled, direct=direct)
+                            functools.partial(
+                                read_object, opener, key, buf, filled, direct=direct, phase=phase
+                            )
                         )
                         break
                     except SizeChanged as changed:  # another record now: no phase known

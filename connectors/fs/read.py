@@ -40,14 +40,6 @@ def _new_helpers_after_fork() -> None:
 os.register_at_fork(after_in_child=_new_helpers_after_fork)
 
 
-class SizeChanged(Exception):
-    """The file holds another size than the index said: a put replaced it meanwhile."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(size)
-        self.size = size
-
-
 def read_object(
     open_fd: Callable[[], int],
     key: str,
@@ -55,6 +47,7 @@ def read_object(
     filled: FillHook | None,
     stop: threading.Event,
     direct: bool = False,
+    phase: int | None = None,
 ) -> None:
     """Check the record that ``open_fd()`` opens and read its data into ``buf`` (exactly its
     size).
@@ -63,13 +56,26 @@ def read_object(
     also runs in a helper thread, both taking interleaved steps (``record.Steps``), which
     nearly halves a warm 32 MiB get. The helper is always waited for (or withdrawn before it
     started), so no thread writes into ``buf`` or reads a closed fd after this returns.
-    ``filled`` is the allocator's hook. ``direct``: read with O_DIRECT (no page cache).
+    ``filled`` is the allocator's hook. ``direct``: read with O_DIRECT (no page cache);
+    ``phase``: the index's, of a padded record, which an object under PARALLEL_READ_BYTES is
+    then read with in one call (``record.read_padded``).
     """
     fd = open_fd()
     try:
+        if (
+            direct
+            and phase is not None
+            and buf.nbytes < PARALLEL_READ_BYTES
+            and rec.placed_for(key, buf, phase)
+            and _set_direct(fd)
+        ):
+            if stop.is_set():
+                raise rec.Stopped
+            rec.read_padded(fd, key, buf, phase, filled)
+            return
         record = rec.record_of(fd, key)
         if record.data_len != buf.nbytes:
-            raise SizeChanged(record.data_len)
+            raise rec.SizeChanged(record.data_len)
         offset = record.data_offset
         if direct and _set_direct(fd):
             steps = rec.Steps.direct(buf, offset)

@@ -67,6 +67,7 @@ def _check_int(name: str, value: Any, low: int, high: int) -> int:
 class BytesplitCodec:
     name = "bytesplit"
     lossless = True
+    client_options = frozenset({"level", "hash_log", "block_size"})  # what HTTP clients may set
 
     def __init__(
         self,

@@ -90,6 +90,7 @@ def _option(name: str, value: Any, low: int, high: int) -> int:
 class KiviCodec:
     name = "kivi"
     lossless = False
+    client_options = frozenset({"bits", "group", "residual"})  # what HTTP clients may set
     documented_rel_error = 0.45
 
     def __init__(self, bits: int = 2, group: int = 32, residual: int = 0, **options: Any) -> None:

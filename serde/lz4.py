@@ -35,6 +35,7 @@ MAX_RATIO = 255
 class Lz4Codec:
     name = "lz4"
     lossless = True
+    client_options = frozenset({"acceleration", "block_size"})  # what HTTP clients may set
 
     def __init__(
         self, acceleration: int = 1, block_size: int = DEFAULT_BLOCK, **options: Any

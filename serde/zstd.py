@@ -23,6 +23,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - the test extra installs
 class ZstdCodec:
     name = "zstd"
     lossless = True
+    client_options = frozenset({"level", "threads"})  # what HTTP clients may set
 
     def __init__(self, level: int = 3, threads: int = 0, **options: Any) -> None:
         if options:

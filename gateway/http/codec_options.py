@@ -7,7 +7,10 @@ calibration's hash or a file's path. A client gives a calibration only by its ha
 one this process has or its tiers hold (under the calibration's side key, where a tier coding
 with it wrote it, or a client PUT it): anything else is a 400 whose text is the same whatever
 the value names on the server's disk, and the codec is built without touching a file, so
-nothing blocks the event loop. The codecs' other options are numbers.
+nothing blocks the event loop. A client sets only the options a codec class lists in
+``client_options`` (the built-ins list their numeric ones and ``kvtc``'s calibration): a
+plugin's codec takes none from a client unless it lists them, since only its author knows
+which of its options name files.
 """
 
 from __future__ import annotations
@@ -59,7 +62,19 @@ def calibration_of(name: str, options: Mapping[str, Any]) -> str | None:
 
 def check_client_options(name: str, options: Mapping[str, Any]) -> None:
     """Refuse options that would make building the codec read a file (see the module doc):
+    only those the codec class lists in ``client_options`` (none, for a codec that lists
+    none: a plugin's options may name files, and only its author can say which do not), and
     a calibration must already be loaded, so that ``kvtc`` finds it by hash."""
+    if options:
+        if len(stage_names(name)) > 1:
+            raise ConfigError(f"codec {name!r}: a chain takes no options from a client")
+        allowed = getattr(codec_class(name), "client_options", frozenset())
+        refused = sorted(set(options) - set(allowed))
+        if refused:
+            raise ConfigError(
+                f"codec {name!r}: a client may not set {', '.join(map(repr, refused))}"
+                + (f" (it may set {', '.join(sorted(allowed))})" if allowed else "")
+            )
     sha = calibration_of(name, options)
     if sha is None:
         return

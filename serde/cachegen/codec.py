@@ -125,6 +125,7 @@ def host_backend() -> str:
 class CacheGenCodec:
     name = "cachegen"
     lossless = False
+    client_options = frozenset({"quality", "key_bins", "value_bins"})  # what HTTP clients may set
     documented_rel_error = 0.08
 
     def __init__(

@@ -75,6 +75,7 @@ def _count(name: str, value: Any) -> int:
 class KvtcCodec:
     name = "kvtc"
     lossless = False
+    client_options = frozenset({"calibration", "sinks", "window"})  # what HTTP clients may set
     documented_rel_error = CacheGenCodec.documented_rel_error
 
     def __init__(

@@ -68,7 +68,7 @@ def check_client_options(name: str, options: Mapping[str, Any]) -> None:
     if options:
         if len(stage_names(name)) > 1:
             raise ConfigError(f"codec {name!r}: a chain takes no options from a client")
-        allowed = getattr(codec_class(name), "client_options", frozenset())
+        allowed: frozenset[str] = getattr(codec_class(name), "client_options", frozenset())
         refused = sorted(set(options) - set(allowed))
         if refused:
             raise ConfigError(

@@ -132,6 +132,26 @@ def writing_position(position: int | None) -> Holding[int | None]:
     return Holding(_POSITION, position)
 
 
+_DISCARDING: ContextVar[bool] = ContextVar("kvgate_discarding", default=False)
+
+
+def discarding_unusable() -> bool:
+    """Whether the delete under way removes bytes a reader just found unusable (corrupt or
+    expired).
+
+    A connector whose delete waits for other readers to finish (Mooncake refuses to remove
+    an object a reader holds a lease on, and the read that found the bytes corrupt took one)
+    may skip that wait: every reader verifies what it reads. A context variable, like
+    ``durable_write``, for the same reason.
+    """
+    return _DISCARDING.get()
+
+
+def discarding(value: bool = True) -> Holding[bool]:
+    """``discarding_unusable()`` is ``value`` inside this block."""
+    return Holding(_DISCARDING, value)
+
+
 class Holding(Generic[V]):
     """A ``with`` block in which ``var`` is ``value``, its old value again after.
 

@@ -26,6 +26,7 @@ from gateway.connector import (
     Connector,
     address_of,
     as_parts,
+    discarding,
     limiting_reads,
     writing_position,
 )
@@ -481,7 +482,8 @@ class ConnectorTier:
 
     async def _discard(self, key: str) -> None:
         try:
-            await self.connector.delete(key)
+            with discarding():  # no wait for other readers: they verify what they read
+                await self.connector.delete(key)
         except (GatewayError, OSError) as exc:
             log.debug("tier %s: could not delete a bad object: %s", self.name, exc)
 

@@ -214,6 +214,29 @@ async def test_delete_waits_for_a_readers_lease(
         assert await short.delete(f"{prefix}leased2") is True
 
 
+async def test_a_corrupt_object_is_removed_at_once_despite_the_readers_lease(
+    mooncake_cluster: MooncakeCluster, prefix: str
+) -> None:
+    """The get that finds the bytes corrupt took a lease on them; its discard does not wait
+    for it (which stalled the get for the tier's timeout and counted an outage)."""
+    from gateway import Store
+
+    key = f"{prefix}tampered"
+    tier = {"url": mooncake_cluster.url, "options": mooncake_cluster.options, "timeout": 5.0}
+    async with Store({"tiers": [tier], "staging": 16 * MiB}) as store:
+        await store.put(key, make_bytes(MiB), durable=True)
+        conn = store.tiers[0].connector
+        frame = bytearray(await conn.get(key) or b"")
+        frame[len(frame) // 2] ^= 0x10
+        await conn.put(key, bytes(frame))
+        start = time.monotonic()
+        assert await store.get(key) is None
+        assert time.monotonic() - start < LEASE_TTL_MS / 1000 / 2
+        stats = store.stats()["mooncake"]
+        assert (stats.corrupt, dict(stats.errors)) == (1, {})
+        assert not await conn.exists(key)
+
+
 async def test_an_object_over_the_staging_memory_is_a_capacity_error(
     mooncake_cluster: MooncakeCluster, prefix: str
 ) -> None:

@@ -290,10 +290,11 @@ class MooncakeClient:
             )
         return StagedBlock(self.staging, self.staging.take(nbytes, job.deadline))
 
-    def remove(self, mkey: str, job: Job, what: str) -> bool:
-        """Remove ``mkey``; whether it was there. Waits out a reader's lease on it."""
+    def remove(self, mkey: str, job: Job, what: str, *, force: bool = False) -> bool:
+        """Remove ``mkey``; whether it was there. Waits out a reader's lease on it, unless
+        ``force`` (Mooncake's own flag: the bytes are unusable, and readers verify theirs)."""
         for attempt in itertools.count():
-            rc = int(self._call("remove", self.store.remove, mkey))
+            rc = int(self._call("remove", self.store.remove, mkey, force))
             if rc == codes.OK:
                 return True
             if rc == codes.OBJECT_NOT_FOUND:

@@ -39,9 +39,12 @@ key back.
 Delete waits for readers' leases to end (Mooncake refuses to remove a leased object; the lease
 is the master's ``default_kv_lease_ttl``, 10 s by default in this release): it is reported done
 only when the object is gone, and raises Timeout if the lease outlives the deadline. ``exists``
-grants a lease too. Mooncake cannot list keys (capabilities.list is False) and has no TTL;
-objects live in other processes' segments, so they outlive this connector (``persistent``) unless
-this process contributes a segment of its own (``global_segment_size``) that may hold them.
+grants a lease too. A store's discard of an object its read found corrupt or expired
+(``discarding_unusable``) removes it with Mooncake's ``force`` instead: that read took a lease
+itself, and readers verify what they read. Mooncake cannot list keys (capabilities.list is
+False) and has no TTL; objects live in other processes' segments, so they outlive this
+connector (``persistent``) unless this process contributes a segment of its own
+(``global_segment_size``) that may hold them.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from connectors.mooncake import blob
 from connectors.mooncake.client import Job, MooncakeClient
 from connectors.mooncake.config import MooncakeOptions, Target, resolve
 from connectors.mooncake.rwlocks import ReadWriteLocks
-from gateway.connector import Allocator, BaseConnector, as_parts
+from gateway.connector import Allocator, BaseConnector, as_parts, discarding_unusable
 from gateway.errors import CapacityError, GatewayError, Timeout
 from gateway.inflight import InFlight
 from gateway.types import Buffer, BufferParts, Capabilities
@@ -241,7 +244,10 @@ class MooncakeConnector(BaseConnector):
         mkey = self.key_for(key)
         with self._op():
             async with self._keys.writing(key):
-                return await self._run(lambda c, job: c.remove(mkey, job, what), what)
+                # A corrupt object's reader holds a lease on it (its get took one): a wait
+                # for it would stall that get for the lease's 10 s. Other readers verify.
+                force = discarding_unusable()
+                return await self._run(lambda c, job: c.remove(mkey, job, what, force=force), what)
 
     async def ping(self) -> bool:
         what = f"{self!r}: ping"

@@ -57,8 +57,8 @@ def _asking(codec: str, options: dict[str, object]) -> dict[str, str]:
 
 async def test_a_plugin_codec_takes_no_options_from_a_client(
     reading_codec: Path,
-    client: httpx.AsyncClient,
-    tmp_path: Path,  # noqa: F811
+    client: httpx.AsyncClient,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"server-side secret")

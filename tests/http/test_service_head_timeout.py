@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
-import uvicorn
+from servers.asgi import serve
 from servers.proc import free_port
 from test_service_auth import _wait_ready
 
@@ -126,27 +126,12 @@ async def _scenarios(port: int) -> None:
 async def _served_here(protocol: type[asyncio.Protocol]) -> AsyncIterator[int]:
     """The app under uvicorn in this process with the HTTP ``protocol`` class; yields its port."""
     app = create_app({"tiers": [{"url": "memory://", "capacity": 8 << 20}]}, body_pool=0)
-    port = free_port()
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        http=protocol,
-        timeout_keep_alive=KEEP_ALIVE,
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    for _ in range(1000):  # uvicorn has no "started" event to await: poll, bounded (10 s)
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "uvicorn did not start"
+    server = serve(app, http=protocol, timeout_keep_alive=KEEP_ALIVE)
+    url = await anext(server)
     try:
-        yield port
+        yield int(url.rsplit(":", 1)[1])
     finally:
-        server.should_exit = True
-        await task
+        await server.aclose()
 
 
 @pytest.mark.both_loops

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -11,11 +12,14 @@ from fastapi import FastAPI
 from servers.proc import free_port
 
 
-async def serve(app: FastAPI) -> AsyncIterator[str]:
-    """Run ``app`` under uvicorn on a free loopback port; yields its base URL."""
+async def serve(app: FastAPI, **options: Any) -> AsyncIterator[str]:
+    """Run ``app`` under uvicorn on a free loopback port; yields its base URL. ``options`` go
+    to ``uvicorn.Config`` (``http=`` a protocol class, say)."""
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **options
+        )
     )
     task = asyncio.create_task(server.serve())
     for _ in range(500):  # uvicorn has no "started" event to await: poll, bounded (5 s)

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
@@ -40,6 +40,7 @@ from gateway.errors import (
     GatewayError,
     IncompleteDelete,
     InvalidObject,
+    NotFound,
     Unavailable,
 )
 from gateway.inflight import InFlight
@@ -50,7 +51,7 @@ from gateway.memory import BufferPool, Slab
 from gateway.object_meta import check_position, check_ttl
 from gateway.objects import COPIED_KINDS, ObjectData, ObjectMeta, to_object, to_object_data
 from gateway.policies import make_policy
-from gateway.registry import build_codec, connect, scheme_of
+from gateway.registry import build_codec, connect, connector_class, scheme_of
 from gateway.tiers import ConnectorTier, Found, MemoryTier, offload
 from gateway.types import MemoryFormat, TierStats
 
@@ -206,7 +207,8 @@ class Store:
             if tcfg.capacity is not None:
                 options["capacity"] = tcfg.capacity
                 options["eviction"] = tcfg.eviction
-            conn = connect(tcfg.url, **options)
+            with _naming_tier(name):
+                conn = connect(tcfg.url, **options)
         stats = TierStats(name)
         stacked = build_stack(
             conn,
@@ -216,7 +218,8 @@ class Store:
             concurrency=tcfg.concurrency,
             stats=stats,
         )
-        codec = build_codec(tcfg.codec, tcfg.codec_options)
+        with _naming_tier(name):
+            codec = build_codec(tcfg.codec, tcfg.codec_options)
         self._start_early(name, conn)
         return ConnectorTier(name, stacked, codec, stats, ttl=tcfg.ttl)
 
@@ -932,6 +935,32 @@ def is_l1_url(url: str) -> bool:
     """
     parts = urlsplit(url)
     return parts.scheme.lower() == "memory" and not parts.netloc and parts.path in ("", "/")
+
+
+def check_plugins(config: StoreConfig) -> None:
+    """Raise what opening a store on ``config`` would about its plugins, without opening
+    anything: an unknown connector scheme or codec (``ConfigError`` naming the tier), a
+    codec's bad options or missing file (its ``ConfigError``), a missing extra
+    (``MissingDependency``). For a command that should refuse such a config at once, before
+    it serves (``kvgate serve``), rather than fail in its start-up."""
+    tiers = list(config.tiers)
+    names = _tier_names(tiers)
+    for i, tcfg in enumerate(tiers):
+        if i == 0 and is_l1_url(tcfg.url):
+            continue  # the memory tier: no connector, no codec
+        with _naming_tier(names[i]):
+            connector_class(scheme_of(tcfg.url))
+            build_codec(tcfg.codec, tcfg.codec_options)
+
+
+@contextlib.contextmanager
+def _naming_tier(name: str) -> Iterator[None]:
+    """A tier's connector or codec refusing its config (an unknown name is the config's
+    error too): say which tier."""
+    try:
+        yield
+    except (NotFound, ConfigError) as exc:
+        raise ConfigError(f"tier {name}: {exc}") from None
 
 
 def _tier_names(tiers: Sequence[TierConfig]) -> list[str]:

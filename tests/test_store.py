@@ -16,7 +16,7 @@ import torch
 from connectors.blackhole import BlackholeConnector
 from connectors.fs.connector import FileConnector
 from connectors.memory import MemoryConnector
-from gateway import CapacityError, InvalidKey, Key, Store
+from gateway import CapacityError, ConfigError, InvalidKey, Key, Store
 from gateway.layers import ChaosLayer, Layer
 from gateway.types import Buffer
 
@@ -531,3 +531,15 @@ async def test_stat_reads_a_lower_tier_without_promoting_or_evicting() -> None:
         assert store.stats()["memory1"].latency["get"].n - reads < 10  # shared, not one each
         assert "cold" not in store.l1
         assert store.pool.used == used
+
+
+async def test_a_tier_whose_codec_or_scheme_is_unknown_is_a_config_error_naming_it(
+    tmp_path: Path,
+) -> None:
+    codec = {"tiers": [{"url": f"file://{tmp_path}", "codec": "zstdd"}]}
+    with pytest.raises(ConfigError, match="tier file: no codec named 'zstdd'"):
+        async with Store(codec):
+            pass
+    with pytest.raises(ConfigError, match="tier nosuch: no connector"):
+        async with Store({"tiers": [{"url": "nosuch://x"}]}):
+            pass

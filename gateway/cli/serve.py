@@ -121,7 +121,8 @@ def serve(
         )
         raise typer.Exit(2) from None
     from gateway.config import load_config, redact_url
-    from gateway.errors import ConfigError
+    from gateway.errors import ConfigError, MissingDependency
+    from gateway.store import check_plugins
 
     sizes: dict[str, int] = {}
     for option, value in [
@@ -143,7 +144,10 @@ def serve(
     env = {k: v for k, v in os.environ.items() if k != "KVGATE_TOKEN"}
     try:
         cfg = load_config(config, env=env)
-    except ConfigError as exc:  # the message names the field and its source: no traceback
+        # Unknown codecs or schemes, a codec's missing key or calibration file: here, in one
+        # line, rather than as a traceback from the service's start-up.
+        check_plugins(cfg)
+    except (ConfigError, MissingDependency) as exc:  # the message names the field: no traceback
         err.print(f"kvgate serve: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
     tiers = " -> ".join(

@@ -93,6 +93,26 @@ def test_serve_names_a_bad_size_option_without_a_traceback(option: str) -> None:
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
+@pytest.mark.parametrize(
+    ("tier", "said"),
+    [
+        ({"codec": "zstdd"}, "tier file: no codec named 'zstdd'"),
+        ({"codec": "kvtc", "codec_options": {"calibration": "/nonexistent"}}, "tier file: codec"),
+        ({"codec": "aesgcm", "codec_options": {"key_file": "/nonexistent"}}, "tier file: aesgcm"),
+    ],
+)
+def test_serve_names_a_tier_whose_codec_cannot_be_built_without_a_traceback(
+    tmp_path: Path, tier: dict[str, object], said: str
+) -> None:
+    config = tmp_path / "kvgate.json"
+    disk = {"url": f"file://{tmp_path / 'd'}", **tier}
+    config.write_text(json.dumps({"tiers": [{"url": "memory://", "capacity": "8MiB"}, disk]}))
+    result = runner.invoke(app, ["serve", "--config", str(config)])
+    assert result.exit_code == 2
+    assert said in " ".join(result.output.split())
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 def test_serve_names_a_bad_config_value_without_a_traceback() -> None:
     result = runner.invoke(app, ["serve"], env={"KVGATE_TIERS__0__CAPACITY": "12 potatoes"})
     assert result.exit_code == 2

@@ -276,3 +276,26 @@ async def test_a_gateway_tier_passes_the_position_to_the_remotes_codec(
             assert (await client.post("/v1/flush")).status_code < 300
     assert await stored_position(tmp_path, "at448") == 448
     assert await stored_position(tmp_path, "unknown") is None
+
+
+@pytest.mark.parametrize("position", [0, 2**40, 2**40 + 1, 10**18 - 1])
+async def test_every_position_a_store_takes_round_trips(
+    tmp_path: Path, cal_file: tuple[Path, str], position: int
+) -> None:
+    """Up to 2**40 keys have RoPE undone at their positions; above, where float64 angles no
+    longer undo the model's rotation, they are coded as stored, and read back all the same."""
+    kv = correlated_kv(48, position, seed=91)
+    async with Store(config(tmp_path, calibration=str(cal_file[0]))) as store:
+        await store.put("chunk", kv, fmt=F.KV_2LTD, position=position, durable=True)
+    assert await stored_position(tmp_path, "chunk") == position
+    conn = connect(f"file://{tmp_path}")
+    try:
+        blob = await conn.get("chunk")
+    finally:
+        await conn.close()
+    assert blob is not None
+    assert ("theta" in decode_frame(blob)[0].params) == (position <= 2**40)
+    registry.forget_all()
+    async with Store(config(tmp_path, "raw")) as store:
+        assert close_to(await store.get("chunk"), kv)
+        assert store.stats()["file"].corrupt == 0

@@ -7,8 +7,9 @@ per-model calibration (``serde.kvtc.calibration``, fitted by ``serde.kvtc.fit`` 
 1. the sinks (first positions of a sequence) and an optional recent window are stored
    exactly, in the stored dtype (``serde.kvtc.transform``);
 2. keys have RoPE undone when the chunk's start position is known (``ObjectData.position``,
-   from ``Store.put(..., position=N)``); otherwise they are coded as stored (post-RoPE), with
-   the same basis, at some cost in ratio. The frame records which;
+   from ``Store.put(..., position=N)``) and at most ``ROPE_MAX_POSITION``; otherwise they are
+   coded as stored (post-RoPE), with the calibration's post-RoPE key basis, at some cost in
+   ratio. The frame records which;
 3. per (plane, layer group) the tokens' feature vectors minus the calibration's mean are
    projected on its truncated basis and divided by the plane's step, rounded;
 4. the integers are coded with static rANS and the calibration's tables (``stream``).
@@ -40,6 +41,7 @@ import numpy as np
 
 from gateway.errors import ConfigError, CorruptObject
 from gateway.frame import FrameInfo
+from gateway.object_meta import MAX_POSITION
 from gateway.objects import ITEMSIZE, ObjectData, torch_dtype
 from gateway.types import Buffer, BufferParts, ParamValue
 from serde.cachegen.codec import CacheGenCodec
@@ -62,7 +64,13 @@ from serde.tensors import (
 VERSION = 1
 VIA = "via"
 MAX_EXACT = 1 << 20
-MAX_POSITION = 1 << 40
+# RoPE is undone at start positions up to this, and coded as stored above it. The angle of a
+# key pair at position p is p * theta ** (-2i / h) in float64, rounded by up to p * 2**-53
+# radians: at 2**40 about 1e-4, two orders under the codec's error, but beyond it the rounding
+# grows towards that error (and from 2**53 a chunk's positions are no longer distinct floats),
+# so the undone keys would stop matching the calibration's unrotated basis. No model has such
+# contexts; chunks put there (any position a Store takes, up to MAX_POSITION) still round-trip.
+ROPE_MAX_POSITION = 1 << 40
 COEFF_LIMIT = 2.0**30  # |coefficient / step| beyond this: stored verbatim
 
 
@@ -124,7 +132,7 @@ class KvtcCodec:
         canon = layout.to_canonical(t)
         tokens = layout.tokens
         head, tail = transform.exact_tokens(tokens, position, self.sinks, self.window)
-        rope = cal.rope if position is not None else None
+        rope = cal.rope if position is not None and position <= ROPE_MAX_POSITION else None
         planes = (loaded.key_plane(rope is not None), 1)
         mid = canon[:, :, head : tokens - tail]
         first = (position or 0) + head
@@ -170,7 +178,9 @@ class KvtcCodec:
         layout = layout_of(info.fmt, info.shape)
         if layout.numel * ITEMSIZE[info.dtype] != info.raw_len or layout.numel == 0:
             raise CorruptObject("kvtc frame: shape and raw length disagree")
-        loaded = registry.require(sha)  # MissingSideObject: the tier fetches it
+        loaded = self.loaded
+        if loaded is None or loaded.sha256 != sha:
+            loaded = registry.require(sha)  # MissingSideObject: the tier fetches it
         if not _fits(loaded, layout):
             raise CorruptObject("kvtc frame: its calibration does not fit its shape")
         return self._decode(loaded, layout, payload, info, out)
@@ -193,8 +203,8 @@ class KvtcCodec:
         block = param_int(info, "block", 1, max(1, stream.STREAM_SYMBOLS))
         position = _position(info)
         rope = _frame_rope(info, layout.channels)
-        if rope is not None and position is None:
-            raise CorruptObject("kvtc frame: RoPE parameters without a position")
+        if rope is not None and (position is None or position > ROPE_MAX_POSITION):
+            raise CorruptObject("kvtc frame: RoPE parameters without a position it undoes")
         dtype = torch_dtype(info.dtype)
         reader = PayloadReader(payload, "kvtc")
         canon = torch.empty(layout.canonical_shape, dtype=dtype)

@@ -34,10 +34,27 @@ of each plane with the default options on Gaussian KV-like data (measured 0.37-0
 NaN, inf, and values beyond float16's range (|x| > 65504, possible in bfloat16 and float32,
 of either sign) cannot be described by float16 statistics within the bound above: such an
 object is stored verbatim (``{"mode": "raw"}``), exactly, never as garbage. So are non-float
-objects (``serde.tensors``) and tensors whose payload (its size is known before encoding) would
-not be smaller than their bytes: with one token, a 1-D tensor or a few channels, the float16
-statistics of a group outweigh its codes. Decoding refuses a payload whose statistics are inf
-or NaN (``CorruptObject``): the encoder never writes them.
+objects (``serde.tensors``), tensors too small for float16 statistics (below), and tensors
+whose payload (its size is known before encoding) would not be smaller than their bytes: with
+one token, a 1-D tensor or a few channels, the float16 statistics of a group outweigh its
+codes. Decoding refuses a payload whose statistics are inf or NaN (``CorruptObject``): the
+encoder never writes them.
+
+Too small: below ``2**-14`` float16 numbers are subnormal, multiples of ``2**-24``. A group
+whose scale falls there (a non-zero ``sc16 < 2**-14``: a spread below about 2e-4 with 2 bits,
+1e-3 with 4) has its scale, and a minimum in that range, rounded by up to ``2**-24`` absolutely
+instead of relatively: each of its elements may be off by up to ``2**-24`` more than with exact
+statistics (and float16 output, whose rounding is then absolute too, up to ``2**-25`` more).
+Under 1 % for data of magnitude 1e-5 and up, but randn * 1e-7 came back with 0.52 relative error
+at 2 bits, and from about 1e-8 as zeros. So a plane with such groups is checked after encoding:
+if ``2**-24 * sqrt(n)`` (float16: ``1.5 * 2**-24 * sqrt(n)``), ``n`` the elements of those
+groups (as whole groups), exceeds ``UNDERFLOW_TOL`` = ``2**-7`` of the plane's norm (the
+documented error, which is per plane, could grow by more than 0.008), the object is stored
+verbatim. A plane of normal magnitude with a few tiny groups (a layer or channel near zero)
+stays quantized, those groups within about ``2**-24``. Groups with ``sc16 == 0`` (every value
+equal to the float16 minimum: zeros, constant float16 values) are exact and never count. Planes
+without subnormal scales (ordinary data) cost one look at their scales; the others one more
+pass (their norm). The payload format is unchanged: the kernels do not take part.
 
 Kernels (``gpu.dispatch``): numba on the CPU (fused single-pass kernels on both cores; numba
 compiles them on first use in a process: about 4 s for encode and 1 s for decode here), cupy
@@ -49,6 +66,7 @@ straight into the caller's buffer in the stored layout.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -71,10 +89,15 @@ from serde.tensors import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from gpu.reference.kivi import KiviGeometry
 
 BITS = (2, 4)
 F16_EXPONENT = 0x7C00  # all ones: inf or NaN
+F16_TINY = 2.0**-24  # float16's spacing below 2**-14 (its subnormal range)
+F16_SUBNORMAL = 0x0400  # float16 bit patterns 1..0x3FF: positive subnormal numbers
+UNDERFLOW_TOL = 2.0**-7  # how much float16's spacing may add to a plane's relative error
 MIN_GROUP = 2
 MAX_GROUP = 1024
 
@@ -131,8 +154,8 @@ class KiviCodec:
         else:
             ref = reference.encode(canon, geom)
             payload = None if ref is None else host_bytes(ref)
-        if payload is None:  # NaN/inf or |x| > 65504: stored exactly instead
-            return raw_encode(obj)
+        if payload is None or _underflows(payload, canon, geom):  # NaN/inf, |x| > 65504, or
+            return raw_encode(obj)  # too small for float16 statistics: stored exactly instead
         params: dict[str, ParamValue] = {
             "bits": self.bits,
             "group": self.group,
@@ -186,6 +209,29 @@ class KiviCodec:
         if not direct:
             out.cast("B")[:] = target.data.cast("B")
         return out
+
+
+def _underflows(payload: Buffer, canon: torch.Tensor, geom: KiviGeometry) -> bool:
+    """Whether float16's subnormal spacing could add more than ``UNDERFLOW_TOL`` to the relative
+    error of a plane (module docstring): groups with a subnormal scale may each cost up to
+    ``F16_TINY`` per element more than exact statistics (1.5 times that for float16 output)."""
+    import torch
+
+    data = np.frombuffer(payload, dtype=np.uint8)
+    # float16 output: rounding x_hat to it costs up to 2**-25 more in that range
+    excess = F16_TINY * (1.5 if canon.dtype == torch.float16 else 1.0)
+    for plane in range(geom.planes):
+        n = geom.stats_count(plane)
+        start = geom.stats_offset(plane) + 2 * n  # the scales follow the minima
+        scales = data[start : start + 2 * n].view("<u2")
+        tiny = int(np.count_nonzero(scales - np.uint16(1) < np.uint16(F16_SUBNORMAL - 1)))
+        if not tiny:  # ordinary data: no subnormal scale (0 wraps around to 65535)
+            continue
+        x = canon[plane, :, : geom.quant_tokens, :]
+        norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+        if excess * math.sqrt(tiny * geom.group) > UNDERFLOW_TOL * norm:
+            return True
+    return False
 
 
 def _check_stats(data: np.ndarray[Any, Any], geom: KiviGeometry) -> None:

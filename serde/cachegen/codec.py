@@ -38,9 +38,22 @@ layouts included): ``documented_rel_error`` is 0.08. Constant layers are reprodu
 ``2**-15`` relative (their step is tiny and their symbols free).
 
 Objects that cannot be quantized (not float16/bfloat16/float32, empty), float tensors with
-NaN, infinity or magnitudes beyond ``2**90`` (float32 only), and tiny tensors whose coded form
-would not be smaller than their bytes (side information is per channel) are stored verbatim
-(``{"mode": "raw"}``): exact.
+NaN, infinity or magnitudes beyond ``2**90`` (float32 only), tensors with a layer too small
+for the steps (below), and tiny tensors whose coded form would not be smaller than their bytes
+(side information is per channel) are stored verbatim (``{"mode": "raw"}``): exact.
+
+Too small: layer steps are stored within ``2**+-90`` (``serde.cachegen.model.BS_LOG_MAX``). A
+layer whose planned step is below ``2**-90`` (a median channel spread below about ``bins *
+quality * 2**-93``, 6e-27 at 32 bins and the default quality; a constant layer's mean below
+about ``2**12`` times that) would be quantized with a step too coarse for it, from its
+documented error up to all zeros (randn * 1e-30, float32 and bfloat16): if any layer of any
+plane is there (its step at the floor), the object is stored verbatim. float32 subnormals are
+far below. Zero layers get an ordinary step and come back exactly. float16 output has its own
+floor: below ``2**-14`` its numbers are multiples of ``2**-24``, so rounding ``x_hat`` to
+float16 costs up to ``2**-25`` absolutely, not relatively (randn * 3e-7 came back with 0.097
+relative error); a float16 object with a non-zero layer whose RMS is below ``2**-18``
+(``F16_RMS_MIN``: that rounding would add more than ``2**-7`` to the layer's relative error)
+is stored verbatim too. Both checks use statistics the encoder computes anyway.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ from gateway.types import Buffer, BufferParts, ParamValue
 from gpu import dispatch
 from serde.cachegen import format as fmt
 from serde.cachegen.model import (
+    BS_LOG_MAX,
     FINITE_MAX,
     MAX_FIX_ROUNDS,
     Geometry,
@@ -87,6 +101,8 @@ VALUE_BINS = (32, 32, 16)
 MAX_BINS = 1 << 14
 MAX_QUALITY = 1024.0
 VALUE_LOG_MAX = 90  # chunks with means or spreads above 2**90 are stored verbatim
+STEP_FLOOR = np.float32(2.0**-BS_LOG_MAX)  # so are chunks with a layer step planned below it
+F16_RMS_MIN = 2.0**-18  # and float16 chunks with a non-zero layer of a smaller RMS
 
 
 def _bins(name: str, value: Any) -> tuple[int, ...]:
@@ -223,7 +239,15 @@ def encode_model(
         return None
     if max(np.abs(mean).max(), np.sqrt(var.max())) > 2.0**VALUE_LOG_MAX:
         return None  # beyond the steps' range (|x| ~ 1e27 in float32): store it verbatim
+    import torch
+
+    if x.dtype == torch.float16:
+        rms = np.sqrt((var + mean * mean).mean(axis=2))  # of every (plane, layer)
+        if np.any((rms > 0) & (rms < F16_RMS_MIN)):
+            return None  # float16's subnormal spacing would add too much (module docstring)
     side = plan(g, mean, var, tms, bins, quality)
+    if np.any(side.bs <= STEP_FLOOR):
+        return None  # a layer too small for the steps' range (1e-30 would decode as zeros)
     for attempt in range(MAX_FIX_ROUNDS):  # a channel may overflow the alphabet: widen it
         sym, maxu, sumsq = impl.quantize(x, *_device(side.steps(g).quantizer(), x))
         if attempt == MAX_FIX_ROUNDS - 1 or not widen(side, g, maxu.cpu().numpy(), mean):

@@ -85,10 +85,19 @@ def _new_threads_after_fork() -> None:
 
 os.register_at_fork(after_in_child=_new_threads_after_fork)
 
-# Codecs other than these may compile kernels on first use (numba takes seconds): their work
-# always runs in a thread, whatever the object's size, so the event loop never waits for it.
-INLINE_CODECS = frozenset({"raw", "zstd", "lz4"})
 MAX_CACHED_CODECS = 64
+
+
+def codec_inline(codec: Codec) -> bool:
+    """Whether ``codec``'s encode and decode of an object under ``OFFLOAD_BYTES`` may run on the
+    event loop: the one rule every offload decision about codec work asks.
+
+    Raw work is a copy at most. Any other codec runs inline only when its instance says so with
+    ``inline_ok = True``, for its own settings (zstd at a low level, not at 22: see
+    ``serde.zstd``). Codecs that do not say so (kernels compiled on first use, keys, chains,
+    plugins) always run in a thread, whatever the object's size.
+    """
+    return codec.name == "raw" or getattr(codec, "inline_ok", False) is True
 
 
 async def offload(
@@ -330,7 +339,7 @@ class ConnectorTier:
             params: dict[str, Any] = {}
             checksum = obj.checksum  # the payload is the object's bytes
         else:
-            slow = self.codec.name not in INLINE_CODECS or not obj.on_host
+            slow = not codec_inline(self.codec) or not obj.on_host
             payload, params = await offload(
                 meta.nbytes, encode_payload, self.codec, obj, key, device=slow
             )
@@ -452,7 +461,7 @@ class ConnectorTier:
             out_slab = alloc(header.raw_len)
             out = out_slab.view() if out_slab is not None else None
             try:
-                slow = codec.name not in INLINE_CODECS
+                slow = not codec_inline(codec)
                 decode = functools.partial(decode_payload, codec, payload, header, out, key)
                 try:
                     raw = await offload(header.raw_len, decode, device=slow)

@@ -6,6 +6,7 @@ the codec lives, and one that was dropped is loaded again from the tier when a f
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,3 +148,19 @@ async def test_a_dropped_calibration_is_loaded_again_for_its_frames(
             assert found is not None
             ref = weakref.ref(found)
             del found
+
+
+def test_the_http_service_keeps_no_calibration_a_client_named(base: bytes) -> None:
+    """Codecs built for clients' ``x-kvgate-codec-options`` are cached by the service; a kvtc
+    one holds its calibration, so those are not cached: the registry's bound stays the bound."""
+    from gateway.http.body import Codecs
+
+    codecs = Codecs()
+    refs = []
+    for i in range(3 * registry.MAX_KEPT):
+        loaded = registry.register(variant(base, i))
+        refs.append(weakref.ref(loaded))
+        codec = codecs.get("kvtc", json.dumps({"calibration": loaded.sha256}))
+        assert codec.loaded is loaded
+        del loaded, codec
+    assert alive(refs) == registry.MAX_KEPT

@@ -150,13 +150,16 @@ def batch_router() -> APIRouter:
             entries = split_entries(body.view)
             positions = parse_positions(x_kvgate_positions, len(entries))
             for i, ((key, frame), position) in enumerate(zip(entries, positions, strict=True)):
+                # One decoded object at a time, charged to the body budget until it is stored.
                 try:
-                    obj, header = await frame_object(frame, state.codecs, state.max_body, key)
-                except BadRequest as exc:
+                    async with frame_object(body, frame, state.codecs, state.max_body, key) as fo:
+                        obj, header = fo
+                        ttl, fmt = header.ttl, header.fmt
+                        await state.store.put(
+                            key, obj, fmt=fmt, ttl=ttl, durable=durable, position=position
+                        )
+                except BadRequest as exc:  # the frame's (the store raises none)
                     raise BadRequest(f"batch entry {i}: {exc}") from None
-                await state.store.put(
-                    key, obj, fmt=header.fmt, ttl=header.ttl, durable=durable, position=position
-                )
         finally:
             body.release()
         return Response(status_code=204)

@@ -12,7 +12,9 @@ headers, a corrupt frame, a shape that does not match the body. The status map l
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -31,7 +33,13 @@ from gateway.errors import (
 )
 from gateway.frame import FrameHeader, decode_frame, parse_header
 from gateway.http.byte_budget import ByteBudget
-from gateway.http.codec_options import Fetch, check_client_options, load_named, refuse_keyed
+from gateway.http.codec_options import (
+    Fetch,
+    calibration_of,
+    check_client_options,
+    load_named,
+    refuse_keyed,
+)
 from gateway.keys import normalize_key
 from gateway.memory import BufferPool, Slab
 from gateway.object_meta import (
@@ -45,10 +53,10 @@ from gateway.object_meta import (
     meta_of_frame,
 )
 from gateway.object_meta import ObjectMeta as Meta
-from gateway.objects import HAS_TORCH, to_object
+from gateway.objects import COPIED_KINDS, HAS_TORCH, to_object
 from gateway.registry import load_codec
 from gateway.staging_allowance import StagingAllowance
-from gateway.tiers import INLINE_CODECS, offload
+from gateway.tiers import codec_inline, offload
 from gateway.types import BYTE_KINDS, OBJECT_KINDS, ObjectKind
 
 FRAME_TYPE = "application/vnd.kvgate.frame"
@@ -99,6 +107,20 @@ class Body:
     def staged_slab(self) -> Slab | None:
         """The store's slab the body was read into, for ``Store.put(staged=...)``."""
         return self._slab if self._staging is not None else None
+
+    @contextlib.asynccontextmanager
+    async def holding(self, nbytes: int) -> AsyncIterator[None]:
+        """Charge ``nbytes`` more to the body budget while inside: memory the request holds
+        beside its body, such as an object decoded from it (``ByteBudget.grow``)."""
+        budget = self._budget
+        if budget is None or nbytes <= 0:
+            yield
+            return
+        n = await budget.grow(nbytes, self._held)
+        try:
+            yield
+        finally:
+            budget.release(n)
 
     def release(self) -> None:
         if self._slab is not None:
@@ -311,6 +333,11 @@ class Codecs:
     def __init__(self) -> None:
         self._cache: dict[tuple[str, str], Codec] = {}
 
+    def cached(self, name: str) -> Codec | None:
+        """The instance with default options, if one was built (building one may import and
+        compile: not for the event loop)."""
+        return self._cache.get((name, "{}"))
+
     def get(self, name: str, options_json: str | None = None) -> Codec:
         options_json = options_json or "{}"
         cached = self._cache.get((name, options_json))
@@ -325,6 +352,11 @@ class Codecs:
             raise BadRequest(str(exc)) from None
         except (TypeError, ValueError) as exc:  # a codec's own option checks
             raise BadRequest(f"codec {name!r}: {exc}") from None
+        # A kvtc codec holds the calibration it names (tens to hundreds of MiB): kept here, 32
+        # clients' hashes would pin 32 of them past the registry's bound. Building one by hash
+        # is a registry lookup, so such codecs are built per request instead.
+        if calibration_of(name, options) is not None:
+            return codec
         if len(self._cache) >= MAX_CODECS:
             self._cache.pop(next(iter(self._cache)))
         self._cache[(name, options_json)] = codec
@@ -351,33 +383,46 @@ def _parse_options(options_json: str) -> dict[str, Any]:
     return options
 
 
-def _decode_frame_object(
-    blob: memoryview, codecs: Codecs, max_size: int, key: str
-) -> tuple[object, FrameHeader]:
+def _decode_frame_object(blob: memoryview, meta: Meta, codecs: Codecs, key: str) -> object:
     try:
         header, payload = decode_frame(blob, key=key)
-        if header.raw_len > max_size:
-            raise CapacityError(f"frame claims {header.raw_len} bytes, over {max_size}")
-        meta = meta_of_frame(header)
         codec = codecs.get(header.codec)
         raw = decode_payload(codec, payload, header, None, key)
         if memoryview(raw).nbytes != header.raw_len:
             raise CorruptObject(f"codec {header.codec} returned the wrong length")
-        return to_object(meta, raw), header
+        return to_object(meta, raw)
     except (CorruptObject, ValueError) as exc:  # the client's frame, not a backend's
         raise BadRequest(f"bad frame: {exc}") from None
 
 
+@contextlib.asynccontextmanager
 async def frame_object(
-    blob: memoryview, codecs: Codecs, max_size: int, key: str
-) -> tuple[object, FrameHeader]:
-    """Verify and decode a frame a client sent for ``key`` (off the event loop when large or
-    slow); a frame bound to another key is refused."""
+    body: Body, blob: memoryview, codecs: Codecs, max_size: int, key: str
+) -> AsyncIterator[tuple[object, FrameHeader]]:
+    """The object of a frame a client sent for ``key`` (``blob``, in ``body``), verified and
+    decoded; a frame bound to another key is refused. Store it inside the block.
+
+    The header decides, before anything is decoded, as a plain PUT's length does: an object
+    over ``max_size`` is refused (413), and the decoded bytes are charged to the body budget
+    until the block ends (``Body.holding``), so a small frame of a large object waits or is
+    refused like a large body. The decode runs off the event loop unless the object and the
+    frame are small and the codec cheap (``codec_inline``): a 32 KB zstd frame can hold 1 GiB.
+    """
     try:
-        codec = parse_header(blob)[0].codec
-    except CorruptObject as exc:
+        header = parse_header(blob)[0]
+        meta = meta_of_frame(header)
+    except (CorruptObject, ValueError) as exc:
         raise BadRequest(f"bad frame: {exc}") from None
-    slow = codec not in INLINE_CODECS  # may compile kernels on first use: never inline
-    return await offload(
-        blob.nbytes, _decode_frame_object, blob, codecs, max_size, normalize_key(key), device=slow
-    )
+    if header.raw_len > max_size:
+        raise CapacityError(f"frame claims {header.raw_len} bytes, over {max_size}")
+    # A raw frame's tensor or array is a view of the body; other objects are new memory.
+    views_body = header.codec == "raw" and meta.kind not in COPIED_KINDS
+    async with body.holding(0 if views_body else header.raw_len):
+        codec = codecs.cached(header.codec)  # none yet: built in the thread
+        inline = codec is not None and codec_inline(codec)
+        size = max(header.raw_len, blob.nbytes)  # the checksum reads the whole payload
+        bound = normalize_key(key)
+        obj = await offload(
+            size, _decode_frame_object, blob, meta, codecs, bound, device=not inline
+        )
+        yield obj, header

@@ -36,7 +36,7 @@ from gateway.http.body import (
 from gateway.http.state import MAX_LOOKUP_KEYS, ServiceState, state_of
 from gateway.keys import normalize_key
 from gateway.objects import ObjectData
-from gateway.tiers import INLINE_CODECS, offload
+from gateway.tiers import codec_inline, offload
 from gateway.types import Buffer
 
 OCTETS = "application/octet-stream"
@@ -84,7 +84,7 @@ async def frame_parts(
     """The frame of ``data`` encoded with the named codec, bound to ``key``: head and payload
     parts."""
     chosen = await state.codecs.for_client(codec or "raw", options, state.store.get_stored)
-    slow = chosen.name not in INLINE_CODECS or not data.on_host
+    slow = not codec_inline(chosen) or not data.on_host  # zstd level 22 is, at any size
     bound = normalize_key(key)
     head, parts, _ = await offload(data.meta.nbytes, encode_frame, chosen, data, bound, device=slow)
     return [head, *parts], {"x-kvgate-codec": chosen.name}
@@ -215,17 +215,20 @@ def object_router() -> APIRouter:
             request, state.max_body, state.body_pool, state.body_budget, staging
         )
         try:
-            staged = None
             if media == FRAME_TYPE:
-                obj, header = await frame_object(body.view, state.codecs, state.max_body, key)
-                ttl = ttl if ttl is not None else header.ttl
-                fmt = header.fmt
+                # The decoded object counts against the body budget until the store has it.
+                async with frame_object(body, body.view, state.codecs, state.max_body, key) as fo:
+                    obj, header = fo
+                    ttl = ttl if ttl is not None else header.ttl
+                    await state.store.put(
+                        key, obj, fmt=header.fmt, ttl=ttl, durable=durable, position=position
+                    )
             else:
                 obj = object_of(body, x_kvgate_kind, x_kvgate_dtype, x_kvgate_shape)
                 staged = body.staged_slab
-            await state.store.put(
-                key, obj, fmt=fmt, ttl=ttl, durable=durable, position=position, staged=staged
-            )
+                await state.store.put(
+                    key, obj, fmt=fmt, ttl=ttl, durable=durable, position=position, staged=staged
+                )
         finally:
             body.release()  # the store copied the object, or holds the staged slab itself
         return Response(status_code=204)

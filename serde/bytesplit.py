@@ -48,6 +48,7 @@ MAX_RATIO = 32768
 
 # zstd contexts are not thread-safe and cost a little to build: one per thread and setting.
 _local = threading.local()
+KEPT_COMPRESSORS = 4  # zstd contexts a thread keeps, one per setting (the oldest dropped)
 
 
 def planes_of(dtype: str) -> int:
@@ -105,6 +106,10 @@ class BytesplitCodec:
             params = zstandard.ZstdCompressionParameters.from_level(
                 self.level, source_size=self.block_size, write_content_size=True, **extra
             )
+            # Settings come from configs and from HTTP clients, and a context of a large
+            # hash_log holds ~13 MiB: a thread keeps the few it used last, not one per setting.
+            while len(cache) >= KEPT_COMPRESSORS:
+                del cache[next(iter(cache))]
             cctx = cache[key] = zstandard.ZstdCompressor(compression_params=params)
         return cctx
 

@@ -466,3 +466,13 @@ def test_run_blocks_waits_for_every_worker_and_raises_the_error() -> None:
     with pytest.raises(CorruptObject, match="piece 3"):
         run_blocks(work, 50)
     assert 3 not in done
+
+
+def test_bytesplit_keeps_a_few_compression_contexts_whatever_the_settings() -> None:
+    """Settings come from HTTP clients too: each one's zstd context is not kept for ever."""
+    from serde import bytesplit
+
+    data = to_object_data(np.arange(1 << 16, dtype=np.float16))
+    for level in range(1, 10):
+        bytesplit.BytesplitCodec(level=level).encode(data)
+    assert len(bytesplit._local.cctx) <= bytesplit.KEPT_COMPRESSORS

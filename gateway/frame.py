@@ -163,15 +163,18 @@ def parse_header(blob: Buffer) -> tuple[FrameHeader, int]:
     magic, version, flags, reserved, header_len, check = PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise ForeignObject("bad frame magic: not a kvgate frame")
-    if version > VERSION:  # a newer kvgate's, in a backend shared during a rolling upgrade
-        raise ForeignObject(f"frame version {version} is newer than this kvgate reads")
-    if version not in READABLE_VERSIONS or flags != 0 or reserved != 0:
-        raise CorruptObject(f"unknown frame version {version} (flags {flags})")
     if header_len > MAX_HEADER_LEN or PREFIX_LEN + header_len > view.nbytes:
         raise CorruptObject(f"frame header length {header_len} exceeds the blob")
     body = view[PREFIX_LEN : PREFIX_LEN + header_len]
     if xxhash.xxh32_intdigest(bytes(view[:12]) + bytes(body)) != check:
         raise CorruptObject("frame header checksum mismatch")
+    # A newer kvgate's frame, in a backend shared during a rolling upgrade: left for it. Its
+    # prefix and header checksum are the ones above (every version keeps them), so a flipped
+    # version byte is corrupt, not foreign.
+    if version > VERSION:
+        raise ForeignObject(f"frame version {version} is newer than this kvgate reads")
+    if version not in READABLE_VERSIONS or flags != 0 or reserved != 0:
+        raise CorruptObject(f"unknown frame version {version} (flags {flags})")
     try:
         header = _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # pragma: no cover - checked

@@ -362,7 +362,7 @@ class ConnectorTier:
         )
         with writing_position(obj.position):  # for a gateway:// tier's remote codecs
             await self.connector.put(key, [head, *parts])
-        self.unreadable.discard(key)
+        self.unreadable.written(key)
 
     async def _write_side_objects(self) -> None:
         """Put the codec's side objects before the first frame that needs them (and again
@@ -386,21 +386,24 @@ class ConnectorTier:
         make a codec allocate more than any object the store accepts; the connector sees the
         bound as ``read_limit()`` (a frame of such an object) for what it reads first.
         """
-        frame = _FrameAlloc(alloc)
+        # Whether the object is left in place for others (True), readable or gone (False), or
+        # nothing was learnt (None): the lookups' marks (``UnreadableKeys``) follow it.
+        unreadable: bool | None = None
+        self.unreadable.begin_read(key)
         try:
             with limiting_reads(frame_limit(max_size)):
-                found = await self._read(key, frame, max_size)
+                found = await self._read(key, alloc, max_size)
+            unreadable = False  # readable again (another writer replaced it), or gone
+            return found
         except SideObjectUnavailable as exc:  # the frame is sound: kept for who has it
-            self._miss_after_all(frame)
             self.stats.corrupt += 1
-            self.unreadable.add(key)
+            unreadable = True
             log.warning("tier %s: object under a key served as a miss: %s", self.name, exc)
             return None
         except CorruptObject as exc:
-            self._miss_after_all(frame)
             self.stats.corrupt += 1
             if isinstance(exc, _LEFT_IN_PLACE):
-                self.unreadable.add(key)
+                unreadable = True
                 quiet = self._left_in_place.admit(type(exc).__name__)
                 if quiet is not None:
                     more = f" ({quiet} more such misses since the last line)" if quiet else ""
@@ -413,19 +416,15 @@ class ConnectorTier:
                 return None
             log.warning("tier %s: corrupt object under a key, served as a miss: %s", self.name, exc)
             await self._discard(key)
+            unreadable = False
             return None
-        self.unreadable.discard(key)  # readable again (another writer replaced it), or gone
-        return found
+        finally:
+            self.unreadable.end_read(key, unreadable)
 
-    def _miss_after_all(self, frame: _FrameAlloc) -> None:
-        """The connector returned bytes (the metrics layer counted a hit) that are no object:
-        a miss. Reads that the connector itself refused were counted as neither."""
-        if frame.fetched and self.stats.hits > 0:
-            self.stats.hits -= 1
-            self.stats.misses += 1
-
-    async def _read(self, key: str, alloc_frame: _FrameAlloc, max_size: int) -> Found | None:
-        alloc = alloc_frame.alloc
+    async def _read(
+        self, key: str, alloc: Callable[[int], Slab | None], max_size: int
+    ) -> Found | None:
+        alloc_frame = _FrameAlloc(alloc)
         try:
             if self.connector.capabilities.zero_copy:
                 blob: Buffer | None = await self.connector.get_into(key, alloc_frame)
@@ -433,7 +432,6 @@ class ConnectorTier:
                 blob = await self.connector.get(key)
             if blob is None:
                 return None
-            alloc_frame.fetched = True
             size = memoryview(blob).nbytes
             digest = alloc_frame.digest(blob)
             if digest is not None:  # hashed while it was read: the rest is a header check
@@ -446,7 +444,6 @@ class ConnectorTier:
                 raise OverReadLimit(f"frame claims {header.raw_len} bytes, over {max_size}")
             meta = _meta_of(header)
             if header.expired():
-                self._miss_after_all(alloc_frame)
                 await self._discard(key)
                 return None
             in_slab = alloc_frame.slab_of(blob) if header.codec == "raw" else None
@@ -487,7 +484,7 @@ class ConnectorTier:
         """Read the side object a frame names from this tier and hand it to the codec;
         ``SideObjectUnavailable`` when it is not there or its bytes are not the named ones."""
         try:
-            found = await self._read(missing.key, _FrameAlloc(lambda _n: None), max_size)
+            found = await self._read(missing.key, lambda _n: None, max_size)
         except CorruptObject as exc:
             raise SideObjectUnavailable(f"{missing}; {missing.key} is corrupt: {exc}") from None
         if found is None or found.meta.kind != "bytes":
@@ -514,7 +511,7 @@ class ConnectorTier:
 
     async def delete(self, key: str) -> bool:
         removed = await self.connector.delete(key)
-        self.unreadable.discard(key)
+        self.unreadable.written(key)
         return removed
 
 
@@ -527,11 +524,10 @@ class _FrameAlloc:
     the one returned, is trusted to hold the frame (``slab_of``) or its digest (``digest``).
     """
 
-    __slots__ = ("_check", "_given", "alloc", "fetched", "shift", "slabs")
+    __slots__ = ("_alloc", "_check", "_given", "shift", "slabs")
 
     def __init__(self, alloc: Callable[[int], Slab | None]) -> None:
-        self.alloc = alloc
-        self.fetched = False  # the connector returned bytes (a hit, as its metrics count)
+        self._alloc = alloc
         self.slabs: list[Slab] = []  # every slab given, released by the caller
         self._given: tuple[Slab, memoryview] | None = None  # the latest, if it was a slab
         self._check: StreamingChecksum | None = None
@@ -549,7 +545,7 @@ class _FrameAlloc:
         self._given = None
         self._check = None
         self.shift = 0
-        slab = self.alloc(n if phase is None else n + PLACEMENT)
+        slab = self._alloc(n if phase is None else n + PLACEMENT)
         if slab is None:
             return None
         self.slabs.append(slab)

@@ -9,7 +9,9 @@ lookup said it was stored. ``UnreadableKeys`` remembers such keys for a while, s
 answer "not here" and the engine saves its own object under the key (which clears the mark).
 
 Bounded in count (oldest forgotten first) and in time: another writer may replace the object
-with one this store can read, and after ``ttl`` the key is looked up as usual again.
+with one this store can read, and after ``ttl`` the key is looked up as usual again. A read
+that ends after this store wrote or deleted the key (``written``) marks nothing: what it read
+is gone (reads say when they start and end: ``begin_read``, ``end_read``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-UNREADABLE_KEYS = 65536  # keys remembered per tier (about 10 MB at most)
+UNREADABLE_KEYS = 65536  # keys remembered per tier (10-80 MB at most, as keys are 0-1 KiB)
 UNREADABLE_TTL = 300.0  # seconds a key stays left out of lookups
 
 
@@ -35,6 +37,8 @@ class UnreadableKeys:
         self.ttl = ttl
         self._clock = clock
         self._until: OrderedDict[str, float] = OrderedDict()  # key -> when it is forgotten
+        self._reading: dict[str, int] = {}  # keys being read -> reads under way
+        self._overwritten: set[str] = set()  # of those, keys written or deleted meanwhile
 
     def __len__(self) -> int:
         return len(self._until)
@@ -49,6 +53,31 @@ class UnreadableKeys:
         """The tier now holds an object of this store's under the key, or none."""
         if self._until:  # the common case: nothing marked, no hashing of the key
             self._until.pop(key, None)
+
+    def written(self, key: str) -> None:
+        """This store wrote or deleted ``key`` in the tier: unmarked, and a read of it under
+        way read what is gone."""
+        self.discard(key)
+        if key in self._reading:
+            self._overwritten.add(key)
+
+    def begin_read(self, key: str) -> None:
+        self._reading[key] = self._reading.get(key, 0) + 1
+
+    def end_read(self, key: str, unreadable: bool | None) -> None:
+        """The read ``begin_read`` began ended: it left the object in place (True), found it
+        readable or absent (False), or failed (None: nothing learnt)."""
+        raced = key in self._overwritten
+        left = self._reading[key] - 1
+        if left:
+            self._reading[key] = left
+        else:
+            del self._reading[key]
+            self._overwritten.discard(key)
+        if unreadable and not raced:
+            self.add(key)
+        elif unreadable is False:
+            self.discard(key)
 
     def hide(self, keys: Sequence[str], flags: list[bool]) -> list[bool]:
         """``flags`` (whether the tier holds each of ``keys``) with marked keys as absent."""

@@ -100,8 +100,10 @@ class BytesplitCodec:
     def _compressor(self) -> Any:
         key = (self.level, self.hash_log, self.block_size)
         cache: dict[tuple[int, int | None, int], Any] = _local.__dict__.setdefault("cctx", {})
-        cctx = cache.get(key)
-        if cctx is None:
+        cctx = cache.pop(key, None)
+        if cctx is not None:
+            cache[key] = cctx  # the most recently used last: dropped last
+        else:
             extra = {} if self.hash_log is None else {"hash_log": self.hash_log}
             params = zstandard.ZstdCompressionParameters.from_level(
                 self.level, source_size=self.block_size, write_content_size=True, **extra

@@ -36,3 +36,25 @@ def test_the_oldest_marks_are_forgotten_past_the_limit() -> None:
     marks.add("b")  # marked again: now the newest
     marks.add("e")
     assert marks.hide(list("bcde"), [True] * 4) == [False, True, False, False]
+
+
+def test_a_read_that_ends_after_a_write_of_its_key_marks_nothing() -> None:
+    marks = UnreadableKeys(limit=10, ttl=60.0, clock=_Clock())
+    marks.begin_read("k")  # reads the old object, which this store cannot read
+    marks.written("k")  # meanwhile a put of the store's own object completes
+    marks.end_read("k", True)
+    assert marks.hide(["k"], [True]) == [True]  # the store's object is looked up as stored
+    marks.begin_read("k")  # a later read that finds it unreadable again does mark it
+    marks.end_read("k", True)
+    assert marks.hide(["k"], [True]) == [False]
+
+
+def test_reads_that_learn_nothing_leave_the_mark_and_a_readable_one_ends_it() -> None:
+    marks = UnreadableKeys(limit=10, ttl=60.0, clock=_Clock())
+    marks.add("k")
+    marks.begin_read("k")
+    marks.end_read("k", None)  # the backend failed: nothing learnt
+    assert marks.hide(["k"], [True]) == [False]
+    marks.begin_read("k")
+    marks.end_read("k", False)  # read fine (another writer replaced it)
+    assert marks.hide(["k"], [True]) == [True]

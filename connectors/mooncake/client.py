@@ -294,7 +294,9 @@ class MooncakeClient:
         """Remove ``mkey``; whether it was there. Waits out a reader's lease on it, unless
         ``force`` (Mooncake's own flag: the bytes are unusable, and readers verify theirs)."""
         for attempt in itertools.count():
-            rc = int(self._call("remove", self.store.remove, mkey, force))
+            # Only a forced remove passes the flag: older bindings take the key alone.
+            args = (mkey, True) if force else (mkey,)
+            rc = int(self._call("remove", self.store.remove, *args))
             if rc == codes.OK:
                 return True
             if rc == codes.OBJECT_NOT_FOUND:

@@ -365,12 +365,15 @@ class Codecs:
     async def for_client(self, name: str, options_json: str | None, fetch: Fetch) -> Codec:
         """``get``, once what the options name by hash (a kvtc calibration) is loaded from
         the store's tiers through ``fetch``, if they hold it."""
+        held = None  # the calibration loaded for this request, until its codec holds it
         if (name, options_json or "{}") not in self._cache:
             try:
-                await load_named(name, _parse_options(options_json or "{}"), fetch)
+                held = await load_named(name, _parse_options(options_json or "{}"), fetch)
             except ConfigError as exc:
                 raise BadRequest(str(exc)) from None
-        return self.get(name, options_json)
+        codec = self.get(name, options_json)
+        del held
+        return codec
 
 
 def _parse_options(options_json: str) -> dict[str, Any]:

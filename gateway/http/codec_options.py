@@ -84,22 +84,25 @@ def check_client_options(name: str, options: Mapping[str, Any]) -> None:
         raise ConfigError(f"codec kvtc: no calibration {sha} is stored here")
 
 
-async def load_named(name: str, options: Mapping[str, Any], fetch: Fetch) -> None:
+async def load_named(name: str, options: Mapping[str, Any], fetch: Fetch) -> object | None:
     """Load the calibration ``options`` name by hash from the store's tiers, when this process
-    does not have it yet (as a tier does for a frame that names one). Nothing is loaded when
-    it is not stored; ``check_client_options`` then refuses the options."""
+    does not have it yet (as a tier does for a frame that names one), and return it: the
+    caller holds it until its codec is built, since the registry keeps only a few and may drop
+    it meanwhile. Nothing is loaded when it is not stored; ``check_client_options`` then
+    refuses the options."""
     sha = calibration_of(name, options)
     if sha is None:
-        return
+        return None
     from serde.kvtc import registry
 
-    if registry.lookup(sha) is not None:
-        return
+    known = registry.lookup(sha)
+    if known is not None:
+        return known
     stored = await fetch(registry.key_of(sha))
     if stored is None or stored.meta.kind not in BYTE_KINDS:
-        return
+        return None
     try:  # hashing and validating megabytes: off the event loop
-        await offload(stored.meta.nbytes, registry.register, stored.host(), sha, device=True)
+        return await offload(stored.meta.nbytes, registry.register, stored.host(), sha, device=True)
     except CorruptObject as exc:
         raise ConfigError(
             f"codec kvtc: the stored calibration {sha} is not usable: {exc}"

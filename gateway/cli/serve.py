@@ -132,6 +132,8 @@ def serve(
     ]:
         try:
             sizes[option] = parse_size(value)
+            if sizes[option] == 0 and option != "--body-min-rate":  # 0 there: no rate limit
+                raise ValueError("must be more than 0 bytes")
         except ValueError as exc:  # parse_size's ConfigError is one too
             err.print(f"kvgate serve: {option}: {exc}", markup=False, highlight=False)
             raise typer.Exit(2) from None

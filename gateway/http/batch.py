@@ -23,6 +23,7 @@ from gateway.errors import CapacityError
 from gateway.http.body import (
     FRAMES_TYPE,
     BadRequest,
+    Body,
     frame_object,
     parse_positions,
     read_body,
@@ -34,7 +35,7 @@ from gateway.http.objects import (
     frame_parts,
     parse_durable,
 )
-from gateway.http.state import MAX_BATCH_KEYS, state_of
+from gateway.http.state import MAX_BATCH_KEYS, ServiceState, state_of
 from gateway.objects import ObjectData
 from gateway.types import Buffer
 
@@ -150,14 +151,8 @@ def batch_router() -> APIRouter:
             entries = split_entries(body.view)
             positions = parse_positions(x_kvgate_positions, len(entries))
             for i, ((key, frame), position) in enumerate(zip(entries, positions, strict=True)):
-                # One decoded object at a time, charged to the body budget until it is stored.
                 try:
-                    async with frame_object(body, frame, state.codecs, state.max_body, key) as fo:
-                        obj, header = fo
-                        ttl, fmt = header.ttl, header.fmt
-                        await state.store.put(
-                            key, obj, fmt=fmt, ttl=ttl, durable=durable, position=position
-                        )
+                    await _put_entry(state, body, key, frame, durable, position)
                 except BadRequest as exc:  # the frame's (the store raises none)
                     raise BadRequest(f"batch entry {i}: {exc}") from None
         finally:
@@ -165,3 +160,20 @@ def batch_router() -> APIRouter:
         return Response(status_code=204)
 
     return router
+
+
+async def _put_entry(
+    state: ServiceState,
+    body: Body,
+    key: str,
+    frame: memoryview,
+    durable: bool,
+    position: int | None,
+) -> None:
+    """Store one entry. One decoded object at a time, charged to the body budget until it is
+    stored; a function of its own so that the object is gone (no local still names it) before
+    the next entry waits for room."""
+    async with frame_object(body, frame, state.codecs, state.max_body, key) as (obj, header):
+        await state.store.put(
+            key, obj, fmt=header.fmt, ttl=header.ttl, durable=durable, position=position
+        )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar, cast
 
@@ -332,15 +333,19 @@ class Codecs:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[str, str], Codec] = {}
+        # Used from the event loop and from the threads that decode frames: one at a time.
+        self._lock = threading.Lock()
 
     def cached(self, name: str) -> Codec | None:
         """The instance with default options, if one was built (building one may import and
         compile: not for the event loop)."""
-        return self._cache.get((name, "{}"))
+        with self._lock:
+            return self._cache.get((name, "{}"))
 
     def get(self, name: str, options_json: str | None = None) -> Codec:
         options_json = options_json or "{}"
-        cached = self._cache.get((name, options_json))
+        with self._lock:
+            cached = self._cache.get((name, options_json))
         if cached is not None:
             return cached
         options = _parse_options(options_json)
@@ -357,16 +362,19 @@ class Codecs:
         # is a registry lookup, so such codecs are built per request instead.
         if calibration_of(name, options) is not None:
             return codec
-        if len(self._cache) >= MAX_CODECS:
-            self._cache.pop(next(iter(self._cache)))
-        self._cache[(name, options_json)] = codec
+        with self._lock:
+            if len(self._cache) >= MAX_CODECS:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[(name, options_json)] = codec
         return codec
 
     async def for_client(self, name: str, options_json: str | None, fetch: Fetch) -> Codec:
         """``get``, once what the options name by hash (a kvtc calibration) is loaded from
         the store's tiers through ``fetch``, if they hold it."""
         held = None  # the calibration loaded for this request, until its codec holds it
-        if (name, options_json or "{}") not in self._cache:
+        with self._lock:
+            known = (name, options_json or "{}") in self._cache
+        if not known:
             try:
                 held = await load_named(name, _parse_options(options_json or "{}"), fetch)
             except ConfigError as exc:

@@ -30,6 +30,7 @@ class ByteBudget:
         self.wait = wait
         self.used = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._growers: deque[object] = deque()  # the requests waiting in ``grow``, in order
         self._growers_hold = 0  # what the requests waiting in ``grow`` hold already
         self._growers_want = 0  # and what they wait for
 
@@ -47,17 +48,26 @@ class ByteBudget:
 
     async def grow(self, nbytes: int, held: int) -> int:
         """Reserve ``nbytes`` more for a request that holds ``held`` already (capped so that
-        the two fit the budget: alone, the request always can); returns what to ``release``."""
+        the two fit the budget: alone, the request always can); returns what to ``release``.
+
+        Requests that wait to grow are served in arrival order: one that grows again and again
+        (a batch, entry after entry) queues behind those already waiting, instead of taking
+        back at once the room it has just given."""
         n = max(0, min(nbytes, self.limit - held))
-        if self.used + n <= self.limit:
+        if not self._growers and self.used + n <= self.limit:
             self.used += n
             return n
+        me = object()
+        self._growers.append(me)
         self._growers_hold += held
         self._growers_want += n
+        self._wake()  # what waiting requests hold changed: the first in line looks again
         try:
             async with asyncio.timeout(self.wait):
-                while self.used + n > self.limit:
-                    if self.used <= self._growers_hold:
+                while self._growers[0] is not me or self.used + n > self.limit:
+                    if self._growers[0] is me and self.used <= self._growers_hold:
+                        # First in line, and every byte in use is held by requests waiting
+                        # here: none can go on, so this one gives way (its failure frees them).
                         raise Unavailable(
                             f"busy: every request holding some of the {self.limit} bytes for "
                             "request bodies waits for more; this one gives way: retry later"
@@ -66,9 +76,10 @@ class ByteBudget:
         except TimeoutError:
             raise self._busy() from None
         finally:
+            self._growers.remove(me)
             self._growers_hold -= held
             self._growers_want -= n
-            self._wake()  # new bodies may have waited for the room this one no longer wants
+            self._wake()  # the next in line, and new bodies that waited for this room
         self.used += n
         return n
 

@@ -93,6 +93,14 @@ def test_serve_names_a_bad_size_option_without_a_traceback(option: str) -> None:
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
+@pytest.mark.parametrize("option", ["--max-body", "--max-header-bytes"])
+def test_serve_refuses_a_zero_size_limit_without_a_traceback(option: str) -> None:
+    result = runner.invoke(app, ["serve", option, "0"])
+    assert result.exit_code == 2
+    assert f"{option}: must be more than 0 bytes" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 @pytest.mark.parametrize(
     ("tier", "said"),
     [

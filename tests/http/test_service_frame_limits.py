@@ -183,9 +183,61 @@ async def test_requests_that_all_wait_to_grow_do_not_wait_for_each_other() -> No
     waiting = asyncio.create_task(budget.grow(4, first))
     await asyncio.sleep(0.01)
     assert not waiting.done()
-    # Every byte in use is held by a request waiting to grow: none can give any back.
+    # Every byte in use is held by a request waiting to grow: none can give any back, so the
+    # first in line gives way, and its body given back lets the second go on.
+    second_grows = asyncio.create_task(budget.grow(4, second))
     with pytest.raises(Unavailable, match="busy"):
-        await asyncio.wait_for(budget.grow(4, second), 1)
-    budget.release(second)  # the refused request gives its body back: the first goes on
-    assert await asyncio.wait_for(waiting, 1) == 4
+        await asyncio.wait_for(waiting, 1)
+    budget.release(first)
+    assert await asyncio.wait_for(second_grows, 1) == 4
     assert budget.used == 8
+
+
+async def test_a_request_growing_again_and_again_queues_behind_those_waiting() -> None:
+    budget = ByteBudget(10, wait=5)
+    batch, single = await budget.acquire(2), await budget.acquire(2)
+    entry = await budget.grow(6, batch)  # the batch's first entry fits at once
+    waiting = asyncio.create_task(budget.grow(6, single))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    budget.release(entry)  # the batch stored its entry, and at once wants room for the next
+    next_entry = asyncio.create_task(budget.grow(6, batch))
+    assert await asyncio.wait_for(waiting, 1) == 6  # the one that waited goes first
+    assert not next_entry.done()
+    budget.release(6)
+    assert await asyncio.wait_for(next_entry, 1) == 6
+
+
+async def test_a_batch_holds_one_decoded_entry_while_it_waits_for_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget charges one entry's object at a time: the previous one must be gone by
+    then, not kept alive (uncharged) while the next waits for room."""
+    import gc
+    import weakref
+
+    import gateway.http.body as body_module
+
+    decoded: list[weakref.ref[Any]] = []
+    alive_at_grow: list[int] = []
+    decode = body_module._decode_frame_object
+    grow = ByteBudget.grow
+
+    def recording(*args: Any) -> Any:
+        obj = decode(*args)
+        decoded.append(weakref.ref(obj))
+        return obj
+
+    async def counting(self: ByteBudget, nbytes: int, held: int) -> int:
+        gc.collect()
+        alive_at_grow.append(sum(r() is not None for r in decoded))
+        return await grow(self, nbytes, held)
+
+    monkeypatch.setattr(body_module, "_decode_frame_object", recording)
+    monkeypatch.setattr(ByteBudget, "grow", counting)
+    app = create_app(store_config(tmp_path), max_body=16 * MIB, body_pool=0)
+    body = _entries([(f"k{i}", zeros_frame(f"k{i}", 2 * MIB)) for i in range(3)])
+    async with running(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        r = await client.post("/v1/batch/put", content=body, headers={"content-type": FRAMES})
+        assert r.status_code == 204, r.text
+    assert alive_at_grow == [0, 0, 0]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from plugin_dist import installed
 
 from gateway import registry
 from gateway.errors import MissingDependency, NotFound
@@ -16,8 +16,7 @@ from gateway.errors import MissingDependency, NotFound
 @pytest.fixture
 def plugin_dist(tmp_path: Path) -> Iterator[Path]:
     """A real installed distribution (dist-info on sys.path) that registers two schemes."""
-    (tmp_path / "toyplug.py").write_text(
-        textwrap.dedent("""
+    toy = textwrap.dedent("""
         from connectors.memory import MemoryConnector
 
         class ToyConnector(MemoryConnector):
@@ -27,27 +26,14 @@ def plugin_dist(tmp_path: Path) -> Iterator[Path]:
             def from_url(cls, url, **options):
                 return cls()
     """)
-    )
     # The "broken" plugin's own module is there; the SDK it needs (its extra) is not.
-    (tmp_path / "toyplug_broken.py").write_text("import missing_sdk_xyz\n")
-    info = tmp_path / "toyplug-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: toyplug\nVersion: 0.1\nProvides-Extra: broken\n"
-    )
-    (info / "entry_points.txt").write_text(
+    modules = {"toyplug": toy, "toyplug_broken": "import missing_sdk_xyz\n"}
+    entries = (
         "[kvgate.connectors]\ntoy = toyplug:ToyConnector\nbroken = toyplug_broken:Thing\n"
         "gone = toyplug_gone:Thing\n"
     )
-    sys.path.insert(0, str(tmp_path))
-    registry._entry_points.cache_clear()
-    try:
-        yield tmp_path
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("toyplug", None)
-        sys.modules.pop("toyplug_broken", None)
-        registry._entry_points.cache_clear()
+    with installed(tmp_path, "toyplug", modules, entries, "Provides-Extra: broken\n") as where:
+        yield where
 
 
 def test_builtins_are_registered() -> None:

@@ -5,19 +5,17 @@ default level stays inline."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from fastapi import FastAPI
-from servers.asgi import serve
+from servers.asgi import running
 from test_service import FRAME, store_config
 
 from gateway.frame import decode_frame
@@ -25,15 +23,6 @@ from gateway.http.app import create_app
 from serde.zstd import ZstdCodec
 
 MIB = 1 << 20
-
-
-@contextlib.asynccontextmanager
-async def running(app: FastAPI) -> AsyncIterator[str]:
-    server = serve(app)
-    try:
-        yield await anext(server)
-    finally:
-        await server.aclose()
 
 
 def zstd(level: int) -> dict[str, str]:

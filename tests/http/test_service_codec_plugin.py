@@ -11,18 +11,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from plugin_dist import installed
 from test_service import FRAME
 from test_service_hostile import client  # noqa: F401  (the fixture: a service on loopback)
-
-from gateway import registry
 
 
 @pytest.fixture
 def reading_codec(tmp_path: Path) -> Iterator[Path]:
     """An installed plugin codec ``filecodec`` whose option ``path`` makes it read a file
     when it is built (as a codec loading a table or a key from disk would)."""
-    (tmp_path / "filecodec.py").write_text(
-        textwrap.dedent("""
+    source = textwrap.dedent("""
         from serde.raw import RawCodec
 
         READ = []
@@ -36,19 +34,9 @@ def reading_codec(tmp_path: Path) -> Iterator[Path]:
                     with open(path, "rb") as f:
                         READ.append(f.read())
         """)
-    )
-    info = tmp_path / "filecodec-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: filecodec\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[kvgate.serde]\nfilecodec = filecodec:FileCodec\n")
-    sys.path.insert(0, str(tmp_path))
-    registry._entry_points.cache_clear()
-    try:
-        yield tmp_path
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("filecodec", None)
-        registry._entry_points.cache_clear()
+    entry = "[kvgate.serde]\nfilecodec = filecodec:FileCodec\n"
+    with installed(tmp_path, "filecodec", {"filecodec": source}, entry) as where:
+        yield where
 
 
 def _asking(codec: str, options: dict[str, object]) -> dict[str, str]:

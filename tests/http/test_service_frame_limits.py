@@ -7,15 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from fastapi import FastAPI
-from servers.asgi import serve
+from servers.asgi import running
 from test_service import FRAME, _entries, _raw_request, _read_status, store_config
 
 from gateway.codec import encode_frame
@@ -36,15 +35,6 @@ def zeros_frame(key: str, nbytes: int) -> bytes:
         load_codec("zstd"), to_object_data(np.zeros(nbytes, np.uint8)), key
     )
     return bytes(head) + b"".join(bytes(p) for p in parts)
-
-
-@contextlib.asynccontextmanager
-async def running(app: FastAPI) -> AsyncIterator[str]:
-    server = serve(app)
-    try:
-        yield await anext(server)
-    finally:
-        await server.aclose()
 
 
 @contextlib.contextmanager

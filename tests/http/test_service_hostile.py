@@ -4,7 +4,6 @@ files, batch answers over the limit, keys that are not UTF-8, clients that leave
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from fastapi import FastAPI
 from kvtc_data import ROPE, calibration_chunks
-from test_service import FRAME, _raw_request, serve, store_config
+from servers.asgi import running
+from test_service import FRAME, _raw_request, store_config
 
 from gateway.frame import decode_frame
 from gateway.http.app import create_app
@@ -26,17 +25,6 @@ from serde.kvtc.fit import fit
 pytestmark = pytest.mark.both_loops
 
 KIB, MIB = 1 << 10, 1 << 20
-
-
-@contextlib.asynccontextmanager
-async def running(app: FastAPI) -> AsyncIterator[str]:
-    """``serve`` closed even when the test fails inside (an async generator left open keeps
-    the server, and the test session, running)."""
-    server = serve(app)
-    try:
-        yield await anext(server)
-    finally:
-        await server.aclose()
 
 
 @pytest_asyncio.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,3 +33,14 @@ async def serve(app: FastAPI, **options: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+@contextlib.asynccontextmanager
+async def running(app: FastAPI, **options: Any) -> AsyncIterator[str]:
+    """``serve`` as a ``with`` block: closed even when the test fails inside (an async
+    generator left open keeps the server, and the test session, running)."""
+    server = serve(app, **options)
+    try:
+        yield await anext(server)
+    finally:
+        await server.aclose()

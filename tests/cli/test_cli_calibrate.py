@@ -74,3 +74,15 @@ def test_model_weights_need_a_model_sample(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "--weights must be one of" in result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_calibrate_warns_when_the_samples_cannot_span_a_layer_group(tmp_path: Path) -> None:
+    from kvtc_data import CHANNELS, LAYERS
+
+    chunks = {"c0": correlated_kv(16, 0, seed=310)}  # 16 tokens; a group has more features
+    save_file(chunks, str(tmp_path / "chunks.safetensors"))
+    out = tmp_path / "model.kvtc"
+    args = ["calibrate", str(out), "--chunks", str(tmp_path / "chunks.safetensors")]
+    result = runner.invoke(app, [*args, "--group", str(LAYERS)])
+    assert result.exit_code == 0, result.output
+    assert f"16 tokens for {LAYERS * CHANNELS} features" in " ".join(result.output.split())

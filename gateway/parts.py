@@ -17,8 +17,10 @@ Why readers never see a wrong object:
 - a reader first reads ``K``; before the commit it sees the old object (or a miss);
 - every write draws a fresh random ``gen``, so part keys are never shared between writes and a
   manifest names exactly the parts of its own write: mixing two writes is impossible;
-- every part must come back with exactly its expected length, else the whole read is a miss
-  (a part evicted by the server, expired, or deleted by a later overwrite).
+- every part must come back with exactly its expected length, else the whole read fails: the
+  main key is read again and, if a later overwrite committed meanwhile (and deleted these
+  parts), its object is read instead; the same manifest again (a part evicted by the server,
+  or expired) is a miss.
 
 Why a forged manifest costs nothing (anyone who can write to the server can write one): it is
 checked before anything is allocated or requested. Its part count must agree with its total
@@ -64,6 +66,13 @@ MAX_PARTS = 1 << 16
 naming more is corrupt, so that no manifest makes a reader or a cleanup handle more keys."""
 T = TypeVar("T")
 _MAP_FROM = 1 << 20  # fresh buffers of this size on are mappings (``_untouched``)
+# Reads of a main key whose manifest's parts went missing: each time a newer object had been
+# committed meanwhile (writers in a loop could supersede a slow reader's every read).
+SUPERSEDED_READS = 4
+
+
+class _PartMissing(Exception):
+    """A part the manifest names is missing (``StripedObjects._object_of``)."""
 
 
 class PartBackend(Protocol):
@@ -344,11 +353,34 @@ class StripedObjects:
         head = await self.backend.read(key)
         if head is None:
             return None
-        return await self.get_from_head(head, alloc)
+        return await self.get_from_head(head, alloc, key)
 
-    async def get_from_head(self, head: Buffer, alloc: Allocator) -> memoryview | None:
+    async def get_from_head(
+        self, head: Buffer, alloc: Allocator, key: bytes | None = None
+    ) -> memoryview | None:
         """The rest of ``get_into`` once the main key's value ``head`` has been read (for
-        connectors that read it their own way)."""
+        connectors that read it their own way).
+
+        A part missing may mean that an overwrite committed after ``head`` was read and
+        deleted the parts it names: the key always held an object, so ``key``'s value is read
+        again, and a newer head is read instead (up to ``SUPERSEDED_READS`` times). The same
+        head again means its parts were evicted or expired: a miss."""
+        for _ in range(SUPERSEDED_READS):
+            try:
+                return await self._object_of(head, alloc)
+            except _PartMissing:
+                pass
+            if key is None:
+                return None
+            newer = await self.backend.read(key)
+            if newer is None or bytes(newer) == bytes(head):
+                return None
+            head = newer
+        return None
+
+    async def _object_of(self, head: Buffer, alloc: Allocator) -> memoryview | None:
+        """The object ``head`` describes, or None for none; ``_PartMissing`` when a part it
+        names is missing."""
         manifest = parse_head(head)
         if manifest is None:
             src = memoryview(head).cast("B")[1:]
@@ -372,7 +404,7 @@ class StripedObjects:
 
         views = _Lazy(manifest.count, view)
         if not await self.backend.read_parts_into(self.part_keys(manifest), views):
-            return None  # a partial set: evicted, expired or superseded meanwhile
+            raise _PartMissing  # a partial set: superseded meanwhile, or evicted or expired
         return dst
 
     def _check_readable(self, manifest: Manifest) -> None:

@@ -30,8 +30,8 @@ once. A larger value is an inline object with nothing to clean up and is not fet
 ``take`` (delete) is ``gets`` then meta ``md <key> C<cas>``: it deletes only the value it
 read, so a concurrent overwrite is never deleted by mistake (it retries, and deletes the
 newer value). A reader sees the old object or the new one whole; a part that memcached
-evicted, that expired or that was deleted makes the whole read a miss (the engine checks
-every part).
+evicted or that expired makes the whole read a miss (the engine checks every part), and one
+that a concurrent overwrite deleted makes it read the newer object.
 
 Reads. ``get_into`` receives an inline object straight into the caller's buffer (the head is
 split off as the value arrives) and parts straight into their slices of it; only a manifest

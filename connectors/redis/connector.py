@@ -155,7 +155,7 @@ class RedisConnector(BaseConnector):
         if kind == "inline":
             assert isinstance(value, memoryview)
             return value
-        return await self.objects.get_from_head(value, alloc)
+        return await self.objects.get_from_head(value, alloc, main)
 
     async def put(self, key: str, data: BufferParts) -> None:
         with write_check() as check:

@@ -113,6 +113,41 @@ def _close(transport: asyncio.Transport, why: str, answer: bytes | None) -> None
     transport.close()
 
 
+class _HeadClock(asyncio.Protocol):
+    """What both protocol classes do alike: a connection's head clock, started when it opens
+    and stopped when it closes; when it runs out, the connection is closed (with a 408 if a
+    head has begun), unless an answer is under way (uvicorn reads no next head before it
+    completes, and restarts the clock then). First in each class's bases, before uvicorn's."""
+
+    head_seconds: float
+    # uvicorn's protocol classes set these (their own annotations are looser or missing).
+    loop: Any
+    transport: Any
+    cycle: Any
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.head_clock = _Clock(self.loop, self.head_seconds, self._head_timed_out)
+        self.head_clock.start()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.head_clock.stop()
+        super().connection_lost(exc)
+
+    def _head_begun(self) -> bool:
+        """Whether part of a request's head has arrived (the 408 is then owed)."""
+        raise NotImplementedError
+
+    def _head_timed_out(self) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # still answering: the clock starts again when the answer completes
+        _close(
+            self.transport,
+            f"no complete request head within {self.head_seconds:g} s",
+            _TIMED_OUT if self._head_begun() else None,
+        )
+
+
 def head_limits_protocol(
     seconds: float = DEFAULT_HEADER_TIMEOUT,
     http: Literal["auto", "httptools", "h11"] = "auto",
@@ -141,7 +176,8 @@ def head_limits_protocol(
 def _httptools(seconds: float, max_bytes: int, too_large: bytes) -> type[asyncio.Protocol]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HttpToolsHeadLimits(HttpToolsProtocol):
+    class HttpToolsHeadLimits(_HeadClock, HttpToolsProtocol):
+        head_seconds = seconds
         # The parser calls on_message_begin at a request's first byte and on_headers_complete
         # at the end of its head; on_response_complete is where uvicorn resumes reading.
         # It reports the URL piece by piece (on_url) but a header only once the next one
@@ -151,15 +187,6 @@ def _httptools(seconds: float, max_bytes: int, too_large: bytes) -> type[asyncio
         unreported = 0  # bytes fed since the parser last called back (before this read)
         called_back = False  # during this read
         too_large = False
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self.head_clock = _Clock(self.loop, seconds, self._head_timed_out)
-            self.head_clock.start()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self.head_clock.stop()
-            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             self.called_back = False
@@ -223,14 +250,8 @@ def _httptools(seconds: float, max_bytes: int, too_large: bytes) -> type[asyncio
                 too_large if answering else None,
             )
 
-        def _head_timed_out(self) -> None:
-            if self.cycle is not None and not self.cycle.response_complete:
-                return  # still answering: on_response_complete starts the clock again
-            _close(
-                self.transport,
-                f"no complete request head within {seconds:g} s",
-                _TIMED_OUT if self.in_head else None,
-            )
+        def _head_begun(self) -> bool:
+            return self.in_head
 
     return HttpToolsHeadLimits
 
@@ -239,7 +260,9 @@ def _h11(seconds: float, max_bytes: int, too_large: bytes) -> type[asyncio.Proto
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class H11HeadLimits(H11Protocol):
+    class H11HeadLimits(_HeadClock, H11Protocol):
+        head_seconds = seconds
+
         # h11 waits for a request in state IDLE, holding what it has of its head unparsed,
         # and leaves IDLE once the head is parsed. uvicorn runs h11 in handle_events, on data
         # and when a response completes (where h11 starts the next cycle).
@@ -253,15 +276,6 @@ def _h11(seconds: float, max_bytes: int, too_large: bytes) -> type[asyncio.Proto
             super().__init__(config, server_state, app_state, _loop)
             # h11's bound is max_bytes, whatever uvicorn's config says (its conn saw nothing).
             self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_bytes)
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self.head_clock = _Clock(self.loop, seconds, self._head_timed_out)
-            self.head_clock.start()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self.head_clock.stop()
-            super().connection_lost(exc)
 
         def handle_events(self) -> None:
             super().handle_events()
@@ -283,13 +297,7 @@ def _h11(seconds: float, max_bytes: int, too_large: bytes) -> type[asyncio.Proto
                 too_large if reading_head else None,
             )
 
-        def _head_timed_out(self) -> None:
-            if self.cycle is not None and not self.cycle.response_complete:
-                return  # h11 does not read the next head before this answer completes
-            _close(
-                self.transport,
-                f"no complete request head within {seconds:g} s",
-                _TIMED_OUT if self.conn.trailing_data[0] else None,
-            )
+        def _head_begun(self) -> bool:
+            return bool(self.conn.trailing_data[0])
 
     return H11HeadLimits

@@ -240,6 +240,8 @@ class Device:
     encode: torch.Tensor  # [rank, F]: basis.T * s / step, contiguous
     offset: torch.Tensor  # [rank, 1]: encode @ mean
     decode: torch.Tensor  # [rank, F]: basis.T / s * step, contiguous
+    scale: torch.Tensor | None  # [F] s, or None (all ones): the metric of the chunk guard
+    step: float
 
     @classmethod
     def of(cls, g: GroupBasis, step: float, device: torch.device) -> Device:
@@ -249,6 +251,7 @@ class Device:
         features = len(g.mean) // 4  # explicit: a group with no components has rank 0
         basis = np.frombuffer(g.basis, "<f2").astype(np.float32).reshape(features, g.rank)
         bt = torch.from_numpy(basis).to(device).t()
+        s = None
         if g.scale:
             s = torch.from_numpy(np.frombuffer(g.scale, "<f4").copy()).to(device)
             encode = (bt * (s / step)).contiguous()
@@ -256,7 +259,7 @@ class Device:
         else:
             encode = (bt * (1.0 / step)).contiguous()
             decode = (bt * step).contiguous()
-        return cls(mean, encode, (encode @ mean)[:, None], decode)
+        return cls(mean, encode, (encode @ mean)[:, None], decode, s, step)
 
 
 def load(data: bytes | memoryview) -> Loaded:

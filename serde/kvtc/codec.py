@@ -46,7 +46,7 @@ from gateway.objects import ITEMSIZE, ObjectData, torch_dtype
 from gateway.types import Buffer, BufferParts, ParamValue
 from serde.cachegen.codec import CacheGenCodec
 from serde.cachegen.model import FINITE_MAX
-from serde.kvtc import host, registry, stream, transform
+from serde.kvtc import guard, host, registry, stream, transform
 from serde.kvtc.calibration import Device, Loaded
 from serde.kvtc.rope import Rope, fits
 from serde.layout import KVLayout, layout_of
@@ -117,6 +117,8 @@ class KvtcCodec:
             return self._via_fallback(obj)
         position = getattr(obj, "position", None)
         coded = self._encode(loaded, layout, t, position)
+        if isinstance(coded, _Unfit):  # the calibration does not describe this chunk (guard)
+            return self._via_fallback(obj)
         if coded is None or sum(memoryview(p).nbytes for p in coded[0]) >= obj.meta.nbytes:
             return raw_encode(obj)  # NaN or infinity, or a chunk too small to gain anything
         return list(coded[0]), coded[1]
@@ -127,7 +129,7 @@ class KvtcCodec:
 
     def _encode(
         self, loaded: Loaded, layout: KVLayout, t: Any, position: int | None
-    ) -> tuple[list[Buffer], dict[str, ParamValue]] | None:
+    ) -> tuple[list[Buffer], dict[str, ParamValue]] | _Unfit | None:
         cal = loaded.cal
         canon = layout.to_canonical(t)
         tokens = layout.tokens
@@ -137,11 +139,14 @@ class KvtcCodec:
         mid = canon[:, :, head : tokens - tail]
         first = (position or 0) + head
         if t.device.type == "cpu":
-            q = _coefficients_host(loaded, planes, mid, rope, first)
+            coded = _coefficients_host(loaded, planes, mid, rope, first)
         else:
-            q = _coefficients_torch(loaded, planes, mid, rope, first)
-        if q is None:
+            coded = _coefficients_torch(loaded, planes, mid, rope, first)
+        if coded is None:
             return None
+        q, fits = coded
+        if any(guard.unlike(plane) for plane in fits):
+            return UNFIT
         exact = [canon[:, :, :head], canon[:, :, tokens - tail :]]
         exact_bytes = [_host_bytes(e) for e in exact if e.shape[2]]
         block = stream.default_block(q.shape[1])
@@ -248,9 +253,10 @@ def _reconstruct_into(out: np.ndarray[Any, Any], q: np.ndarray[Any, Any], dev: D
 
 def _coefficients_host(
     loaded: Loaded, planes: tuple[int, int], mid: Any, rope: Rope | None, first: int
-) -> np.ndarray[Any, Any] | None:
+) -> Coded | None:
     """The rounded coefficients ``[components, tokens]`` int32 of host K/V ``mid``
-    ``[2, L, T, D]`` (any float dtype), or None when they are not finite or too large."""
+    ``[2, L, T, D]`` (any float dtype) and, per plane, each group's ``(error^2, energy^2)``
+    (``serde.kvtc.guard``); None when they are not finite or too large."""
     import torch
 
     cal = loaded.cal
@@ -259,13 +265,17 @@ def _coefficients_host(
     coords = loaded.coords(planes)
     arrays = loaded.arrays(torch.device("cpu"))
     q = np.empty((coords.count, x32.shape[2]), np.int32)
+    fits: list[list[tuple[float, float]]] = []
     jobs = []
     k = 0
     for p, data in zip(planes, (keys, x32[1]), strict=True):
+        plane_fits = [(0.0, 0.0)] * len(cal.group_layers(p))
+        fits.append(plane_fits)
         for j, (a, n) in enumerate(cal.group_layers(p)):
             rows = q[int(coords.start[k]) : int(coords.start[k + 1])]
             k += 1
-            jobs.append(partial(_coefficients_into, rows, data[a : a + n], arrays[p][j]))
+            job = partial(_coefficients_into, rows, data[a : a + n], arrays[p][j], plane_fits, j)
+            jobs.append(job)
     try:
         host.run_groups(jobs)
     except ValueError:
@@ -273,19 +283,23 @@ def _coefficients_host(
     dropped = any(g.rank == 0 for p in planes for g in cal.planes[p].groups)
     if dropped and not np.isfinite(x32).all():  # a group without components checks nothing
         return None
-    return q
+    return q, fits
 
 
 def _coefficients_into(
-    out: np.ndarray[Any, Any], layers: np.ndarray[Any, Any], dev: Device
+    out: np.ndarray[Any, Any],
+    layers: np.ndarray[Any, Any],
+    dev: Device,
+    fits: list[tuple[float, float]],
+    index: int,
 ) -> None:
     x = layers.transpose(1, 0, 2).reshape(layers.shape[1], -1)  # [tokens, F]
-    host.coefficients(x, dev, out)
+    fits[index] = host.coefficients(x, dev, out)
 
 
 def _coefficients_torch(
     loaded: Loaded, planes: tuple[int, int], mid: Any, rope: Rope | None, first: int
-) -> np.ndarray[Any, Any] | None:
+) -> Coded | None:
     """``_coefficients_host`` on the tensor's device (a GPU: the products are matmuls there)."""
     import torch
 
@@ -293,11 +307,15 @@ def _coefficients_torch(
     x = mid.float()
     keys = transform.unrotated_keys(x[0], rope, first) if rope is not None else x[0]
     arrays = loaded.arrays(mid.device)
-    ys = [
-        transform.coefficients(transform.group_features(data, a, n), arrays[p][j])
-        for p, data in zip(planes, (keys, x[1]), strict=True)
-        for j, (a, n) in enumerate(cal.group_layers(p))
-    ]
+    ys = []
+    fits: list[list[tuple[float, float]]] = []
+    for p, data in zip(planes, (keys, x[1]), strict=True):
+        fits.append([])
+        for j, (a, n) in enumerate(cal.group_layers(p)):
+            features = transform.group_features(data, a, n)
+            c = transform.coefficients(features, arrays[p][j])
+            fits[-1].append(guard.torch_fit(features, c, arrays[p][j]))
+            ys.append(c)
     y = torch.cat(ys)  # [components, coded tokens]
     if y.numel() == 0 and not bool(torch.isfinite(x).all()):
         return None
@@ -305,7 +323,16 @@ def _coefficients_torch(
     if y.numel() and not float(y.abs().max()) <= COEFF_LIMIT:
         return None
     q: np.ndarray[Any, Any] = y.round_().to(torch.int32).cpu().numpy()
-    return q
+    return q, fits
+
+
+class _Unfit:
+    """What ``_encode`` returns for a chunk its calibration does not describe."""
+
+
+UNFIT = _Unfit()
+# The coefficients, and per plane each group's (error^2, energy^2) (serde.kvtc.guard).
+Coded = tuple[np.ndarray[Any, Any], list[list[tuple[float, float]]]]
 
 
 def _fits(loaded: Loaded, layout: KVLayout) -> bool:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpu import dispatch
+from serde.kvtc import guard
 from serde.kvtc.rope import Rope
 
 if TYPE_CHECKING:
@@ -98,15 +99,17 @@ def run_groups(jobs: Sequence[Callable[[], None]]) -> None:
         dispatch.parallel(lambda a, b: [jobs[i]() for i in range(a, b)], len(jobs))
 
 
-def coefficients(x: Array, dev: Device, out: Array) -> None:
+def coefficients(x: Array, dev: Device, out: Array) -> tuple[float, float]:
     """``out`` ``[rank, tokens]`` int32 = round(encode @ x.T - offset), or a ValueError for
-    coefficients that are not finite or beyond int32 range."""
-    y = np.matmul(dev.encode.numpy(), x.T)
-    y -= dev.offset.numpy()
-    np.rint(y, out=y)
-    if y.size and not float(np.abs(y).max()) <= 2.0**30:
+    coefficients that are not finite or beyond int32 range. Returns the coding's
+    ``(error^2, energy^2)`` in the calibration's metric (``serde.kvtc.guard``)."""
+    c = np.matmul(dev.encode.numpy(), x.T)
+    c -= dev.offset.numpy()
+    q = np.rint(c)
+    if q.size and not float(np.abs(q).max()) <= 2.0**30:
         raise ValueError("coefficients out of range")
-    out[...] = y
+    out[...] = q
+    return guard.host_fit(x, c, q, dev)
 
 
 def reconstruct(q: Array, dev: Device) -> Array:

@@ -231,7 +231,7 @@ class RedisClient:
         elif target.mode == "sentinel":
             assert target.service is not None
             sentinel_password = opts.sentinel_password
-            self.sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            self.sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
                 list(target.hosts),
                 sentinel_kwargs={
                     "socket_timeout": min(opts.socket_timeout, 5.0),

@@ -35,12 +35,12 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     for name in args.samples.split(","):
         sample = minilm_kv(256) if name == "minilm" else synthetic_kv()
-        chunks = from_sample(name, 2 if name == "minilm" else 8, 256)
+        chunks, rope = from_sample(name, 2 if name == "minilm" else 8, 256)
         points = [Point("kivi", {"bits": 4, "group": 32}), Point("cachegen", {})]
         points += [Point("cachegen", {"quality": q}) for q in (3.5, 7.0)]
         for e in (float(x) for x in args.errors.split(",")):
             start = time.perf_counter()
-            loaded = fit(chunks, group=args.group, rel_error=e)
+            loaded = fit(chunks, group=args.group, rel_error=e, rope=rope)
             seconds = time.perf_counter() - start
             path = tmp / f"{name}-{e}.kvtc"
             path.write_bytes(loaded.data)

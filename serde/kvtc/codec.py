@@ -28,7 +28,9 @@ Without a calibration, or for a chunk it does not fit (other layers or channels,
 layouts, generic tensors), the chunk is coded by ``cachegen`` (params ``via: cachegen``), so
 any object can be put through ``kvtc``; ``documented_rel_error`` is cachegen's bound. With a
 calibration, the relative error per plane is about the calibration's ``rel_error`` on data
-like the calibration's (measured in ``tests/test_kvtc.py``). Non-float objects are exact.
+like the calibration's (measured in ``tests/test_kvtc.py``); a chunk unlike it, on which the
+calibration's error would pass ``guard.UNLIKE`` (``serde.kvtc.guard``), goes to ``cachegen``
+too. Non-float objects are exact.
 """
 
 from __future__ import annotations

@@ -310,14 +310,19 @@ def _coefficients_torch(
     keys = transform.unrotated_keys(x[0], rope, first) if rope is not None else x[0]
     arrays = loaded.arrays(mid.device)
     ys = []
-    fits: list[list[tuple[float, float]]] = []
+    group_fits = []  # [error^2, energy^2] per (plane, group), on the device
     for p, data in zip(planes, (keys, x[1]), strict=True):
-        fits.append([])
         for j, (a, n) in enumerate(cal.group_layers(p)):
             features = transform.group_features(data, a, n)
             c = transform.coefficients(features, arrays[p][j])
-            fits[-1].append(guard.torch_fit(features, c, arrays[p][j]))
+            group_fits.append(guard.torch_fit(features, c, arrays[p][j]))
             ys.append(c)
+    on_host = torch.stack(group_fits).cpu().tolist()
+    first_plane = len(cal.group_layers(planes[0]))
+    fits = [
+        [(float(e), float(f)) for e, f in on_host[:first_plane]],
+        [(float(e), float(f)) for e, f in on_host[first_plane:]],
+    ]
     y = torch.cat(ys)  # [components, coded tokens]
     if y.numel() == 0 and not bool(torch.isfinite(x).all()):
         return None

@@ -48,15 +48,18 @@ def host_fit(x: Array, c: Array, q: Array, dev: Device) -> tuple[float, float]:
     return max(u_sq - step2 * _sq(c), 0.0) + step2 * _sq(c - q), energy
 
 
-def torch_fit(x: torch.Tensor, c: torch.Tensor, dev: Device) -> tuple[float, float]:
-    """``host_fit`` on the tensors' device; ``c`` unrounded (rounded here)."""
+def torch_fit(x: torch.Tensor, c: torch.Tensor, dev: Device) -> torch.Tensor:
+    """``host_fit`` on the tensors' device, as a tensor ``[error^2, energy^2]`` there (one
+    copy to the host for all groups, not a synchronisation per sum); ``c`` unrounded."""
+    import torch
+
     sx = x if dev.scale is None else x * dev.scale
     smean = dev.mean if dev.scale is None else dev.mean * dev.scale
-    energy = float(sx.square().sum())
-    u_sq = float((sx - smean).square().sum())
+    energy = sx.square().sum()
     step2 = dev.step * dev.step
-    rounding = float((c - c.round()).square().sum())
-    return max(u_sq - step2 * float(c.square().sum()), 0.0) + step2 * rounding, energy
+    missed = ((sx - smean).square().sum() - step2 * c.square().sum()).clamp(min=0.0)
+    error = missed + step2 * (c - c.round()).square().sum()
+    return torch.stack((error, energy))
 
 
 def unlike(fits: list[tuple[float, float]]) -> bool:

@@ -18,10 +18,10 @@ from gateway.objects import ObjectData, to_object_data
 from gateway.side_objects import MissingSideObject
 from gateway.types import MemoryFormat
 from serde.cachegen import CacheGenCodec
-from serde.kvtc import registry
+from serde.kvtc import registry, symbols
 from serde.kvtc import rope as rope_ops
 from serde.kvtc.calibration import CalibrationError, from_bytes, to_bytes
-from serde.kvtc.codec import KvtcCodec
+from serde.kvtc.codec import KvtcCodec, _coefficients_host
 from serde.kvtc.fit import fit
 
 F = MemoryFormat
@@ -264,6 +264,11 @@ def test_numba_kernels_write_and_read_the_reference_payload(
     data.position = 300
     head, parts, _ = encode_frame(codec, data)
     fast = head + b"".join(bytes(p) for p in parts)
+    coded = _coefficients_host(codec.loaded, (0, 1), src.float(), ROPE, 300)
+    assert coded is not None
+    coords = codec.loaded.coords((0, 1))
+    high = coded[0].astype(np.int64) >> coords.shift[:, None]
+    assert (symbols.symbol_index(high, coords.rng[:, None]) == 0).any()  # escapes there are
     header, body = decode_frame(fast)
     assert "via" not in header.params
     assert header.params["cal"] == calibrated

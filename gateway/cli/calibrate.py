@@ -107,6 +107,7 @@ def calibrate(
     except ValueError as exc:
         raise _fail(str(exc)) from None
     out.write_bytes(loaded.data)
+    _warn_if_unused(out, chunks, sinks)
     if put is not None:
         asyncio.run(put_calibration(put, registry.key_of(loaded.sha256), loaded.data))
     cal = loaded.cal
@@ -129,6 +130,32 @@ def _warn_if_few(chunks: Sequence[Chunk], group: int) -> None:
             f"warning: {samples} tokens for {features} features per layer group: the basis "
             "cannot span the data, and chunks unlike these samples will code with errors well "
             f"over the target; give at least {features} tokens (--count x --tokens)",
+            markup=False,
+            highlight=False,
+        )
+
+
+def _warn_if_unused(path: Path, chunks: Sequence[Chunk], sinks: int) -> None:
+    """A calibration fitted looser than kvtc's guard (``serde.kvtc.guard``: a large
+    --rel-error, a small --max-basis-mb) sends even its own chunks to cachegen; say so rather
+    than ship one that is never used."""
+    from gateway.objects import to_object_data
+    from gateway.types import MemoryFormat
+    from serde.kvtc import guard
+    from serde.kvtc.codec import KvtcCodec
+
+    codec = KvtcCodec(calibration=str(path), sinks=sinks)
+    unused = 0
+    for chunk in chunks:
+        data = to_object_data(chunk.kv, fmt=MemoryFormat.KV_2LTD)
+        data.position = chunk.position
+        unused += codec.encode(data)[1].get("via") == "cachegen"
+    if unused:
+        err.print(
+            f"warning: kvtc codes {unused} of these {len(chunks)} chunks with cachegen: the "
+            f"calibration's error on them is over {guard.UNLIKE:g} of their energy (in its "
+            "metric), where kvtc takes a chunk for one it does not describe; fit tighter (a "
+            "smaller --rel-error, a larger --max-basis-mb)",
             markup=False,
             highlight=False,
         )

@@ -147,7 +147,11 @@ class KvtcCodec:
         if coded is None:
             return None
         q, fits = coded
-        if any(guard.unlike(plane) for plane in fits):
+        if not guard.finite(fits):
+            return None  # sums that overflowed, or a NaN no coefficient saw: stored verbatim
+        # Keys and values with one step were budgeted together (a weighted calibration).
+        joint = cal.planes[planes[0]].step == cal.planes[planes[1]].step
+        if guard.unlike(fits, joint=joint):
             return UNFIT
         exact = [canon[:, :, :head], canon[:, :, tokens - tail :]]
         exact_bytes = [_host_bytes(e) for e in exact if e.shape[2]]

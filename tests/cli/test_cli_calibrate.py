@@ -86,3 +86,18 @@ def test_calibrate_warns_when_the_samples_cannot_span_a_layer_group(tmp_path: Pa
     result = runner.invoke(app, [*args, "--group", str(LAYERS)])
     assert result.exit_code == 0, result.output
     assert f"16 tokens for {LAYERS * CHANNELS} features" in " ".join(result.output.split())
+
+
+def test_calibrate_warns_when_its_own_chunks_would_go_to_cachegen(tmp_path: Path) -> None:
+    """A calibration too loose for kvtc's guard (serde.kvtc.guard) is never used: said."""
+    chunks = {f"c{i}": correlated_kv(64, 64 * i, seed=300 + i) for i in range(4)}
+    positions = json.dumps({name: 64 * i for i, name in enumerate(chunks)})
+    save_file(chunks, str(tmp_path / "chunks.safetensors"), metadata={"positions": positions})
+    args = ["calibrate", str(tmp_path / "x"), "--chunks", str(tmp_path / "chunks.safetensors")]
+    args += ["--head-dim", str(ROPE.head_dim), "--rope-theta", str(ROPE.theta)]
+    tight = runner.invoke(app, [*args, "--rel-error", "0.03"])
+    assert tight.exit_code == 0, tight.output
+    assert "cachegen" not in tight.output
+    loose = runner.invoke(app, [*args, "--rel-error", "0.4"])
+    assert loose.exit_code == 0, loose.output
+    assert "codes 4 of these 4 chunks with cachegen" in " ".join(loose.output.split())

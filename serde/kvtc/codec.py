@@ -275,9 +275,10 @@ def _coefficients_host(
     jobs = []
     k = 0
     for p, data in zip(planes, (keys, x32[1]), strict=True):
-        plane_fits = [(0.0, 0.0)] * len(cal.group_layers(p))
+        groups = cal.group_layers(p)
+        plane_fits = [(0.0, 0.0)] * len(groups)  # each group's job fills in its own
         fits.append(plane_fits)
-        for j, (a, n) in enumerate(cal.group_layers(p)):
+        for j, (a, n) in enumerate(groups):
             rows = q[int(coords.start[k]) : int(coords.start[k + 1])]
             k += 1
             job = partial(_coefficients_into, rows, data[a : a + n], arrays[p][j], plane_fits, j)

@@ -1,0 +1,37 @@
+"""``benchmarks/put_path.py`` runs end to end against a real server, reports every side and
+leaves no keys behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+
+from servers.redis import RedisNode
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "put_path.py"
+
+
+def test_every_side_is_measured_and_cleaned_up(redis_server: RedisNode) -> None:
+    client = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    before = client.dbsize()
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), redis_server.url, "--size", "64KiB", "-n", "4"]
+        + ["--rounds", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(done.stdout)
+    assert report["size"] == 64 << 10
+    sides = report["sides"]
+    assert list(sides) == ["raw", "frame", "frame+hash", "store"]
+    for side in sides.values():
+        assert len(side["rounds_us"]) == 2
+        assert side["us_per_put"] > 0
+    assert sides["raw"]["ratio_to_raw"] == 1.0
+    assert client.dbsize() == before

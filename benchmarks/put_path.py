@@ -1,4 +1,4 @@
-"""Where a durable put's time goes, against the tier's raw client: one process, alternated rounds.
+"""Where a durable put's time goes, against the tier's raw client, in alternated rounds.
 
 Run with kvgate's python against a running server::
 
@@ -6,20 +6,29 @@ Run with kvgate's python against a running server::
         [--rounds 9] [--json]
 
 Four sides put the same distinct objects (``bench_sources``: rows spread over 256 MiB, so
-none is sent from the CPU cache) one at a time, each to fresh keys, in rounds whose order
-rotates, so that a drift of the machine's speed falls on every side alike:
+none is sent from the CPU cache) one at a time, each to fresh keys, in rounds (the raw client
+first, the others in an order that rotates), so that a drift of the machine's speed falls on
+every side alike:
 
 - ``raw``: the connector class's ``raw_client_baseline`` (its plain client library, the
-  baseline of ``kvgate bench``), one put at a time; only its puts count;
-- ``frame``: the bare connector (no layers, no Store) putting a frame whose checksum is
-  already known: what the raw client does plus kvgate's framing and connector;
+  baseline of ``kvgate bench``), one put at a time; only its puts count. It runs in a child
+  process (this script again, ``--raw-round``), on the same objects: it sets up and closes a
+  client every round, and a Mooncake client closed in a process slowed the puts of another
+  one still open there about 2.5x (a scratch script: 1.2-1.4 ms a 1 MiB put before, 2.9-3.6
+  after; a client closed in another process did not);
+- ``frame``: the Store's own connector without its layers (the same client and connections)
+  putting a frame whose checksum is already known: what the raw client does plus kvgate's
+  framing and connector;
 - ``frame+hash``: the same with the frame's xxh3 of the payload computed per put;
 - ``store``: ``Store.put`` with ``write_policy: through`` on that tier alone (the checksum,
   the layers, the Store's bookkeeping).
 
 Each side's figure is the median over rounds of its mean time per put; ratios are to ``raw``.
 The steps between sides say what each piece costs, which ``kvgate bench`` (one ratio per
-cell) cannot. Keys are deleted after each round, untimed.
+cell) cannot. Each kvgate side's round starts with ``WARM_BYTES`` of untimed puts (16 at 1
+MiB), as the raw baseline warms its client: the sides wait while the child runs, and after an
+idle spell the first ~16 Mooncake puts were 2-3x slower. Keys are deleted after each round,
+untimed.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -39,29 +49,57 @@ from gateway.bench.store import bench_sources
 from gateway.codec import frame_head
 from gateway.config import parse_size
 from gateway.connector import Connector
+from gateway.layers import Layer
 from gateway.malloc_thresholds import steady_malloc_thresholds
 from gateway.object_meta import ObjectMeta
-from gateway.registry import connect, connector_class, scheme_of
+from gateway.registry import connector_class, scheme_of
 from gateway.store import Store
 
 Put = Callable[[str, int], Awaitable[None]]
 SIDES = ("raw", "frame", "frame+hash", "store")
+WARM_BYTES = 16 << 20  # untimed puts before each kvgate side's round: this much, 2 at least
 
 
 def _meta(size: int) -> ObjectMeta:
     return ObjectMeta("bytes", "uint8", (size,), size)
 
 
-async def _raw_round(
-    url: str, options: dict[str, Any], payloads: list[bytes], size: int, n: int
-) -> float:
-    """Seconds per put of the raw client (its own client, keys and clean-up)."""
+async def _raw_round(url: str, options: dict[str, Any], size: int, n: int) -> float:
+    """Seconds per put of the raw client, measured in a child process (see the module doc)."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        url,
+        "--tier-options",
+        json.dumps(options),
+        "--size",
+        str(size),
+        "-n",
+        str(n),
+        "--raw-round",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError(f"the raw client's round failed (exit {child.returncode})")
+    return float(json.loads(out)["seconds_per_put"])
+
+
+async def raw_round_here(url: str, options: dict[str, Any], size: int, n: int) -> float:
+    """Seconds per put of ``raw_client_baseline`` on the bench's objects, in this process."""
+    payloads = [row.tobytes() for row in bench_sources(size, n, 1)]
     raw = connector_class(scheme_of(url)).raw_client_baseline
     put_gbps, _ = await raw(url, options, size=size, count=n, concurrency=1, payloads=payloads)
     return float(size / (put_gbps * 1e9))
 
 
-async def _timed(put: Put, tag: str, n: int) -> float:
+def _warm_count(size: int) -> int:
+    return max(2, WARM_BYTES // max(size, 1))
+
+
+async def _timed(put: Put, tag: str, n: int, warm: int) -> float:
+    for i in range(warm):
+        await put(f"{tag}/warm-{i}", i)
     start = time.perf_counter()
     for i in range(n):
         await put(f"{tag}/{i}", i)
@@ -73,10 +111,18 @@ async def measure(
 ) -> dict[str, list[float]]:
     """Seconds per put of each side, one figure per round."""
     payloads = [row.tobytes() for row in bench_sources(size, n, 1)]
+    store = Store({"tiers": [{"url": url, "options": options}], "write_policy": "through"})
+    async with store:
+        return await _rounds(store, url, options, payloads, n, rounds)
+
+
+async def _rounds(
+    store: Store, url: str, options: dict[str, Any], payloads: list[bytes], n: int, rounds: int
+) -> dict[str, list[float]]:
+    size = len(payloads[0])
     sums = [xxhash.xxh3_64_intdigest(p) for p in payloads]
     meta = _meta(size)
-    bare: Connector = connect(url, **options)
-    store = Store({"tiers": [{"url": url, "options": options}], "write_policy": "through"})
+    bare = _unlayered(store.tiers[0].connector)
 
     async def framed(key: str, i: int, *, hashed: bool) -> None:
         part = memoryview(payloads[i % len(payloads)])
@@ -99,26 +145,31 @@ async def measure(
         "store": (store_put, store.delete),
     }
     results: dict[str, list[float]] = {side: [] for side in SIDES}
-    async with store:
-        try:
-            for side, (put, _) in timed.items():  # connections up, first calls made
-                await put(f"put-path/warm-{side}", 0)
-            for r in range(rounds):
-                order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]
-                for side in order:
-                    if side == "raw":
-                        results[side].append(await _raw_round(url, options, payloads, size, n))
-                        continue
-                    put, delete = timed[side]
-                    tag = f"put-path/{os.urandom(4).hex()}"
-                    results[side].append(await _timed(put, tag, n))
-                    for i in range(n):
-                        await delete(f"{tag}/{i}")
-            for side, (_, delete) in timed.items():
-                await delete(f"put-path/warm-{side}")
-        finally:
-            await bare.close()
+    for r in range(rounds):
+        # The raw client's child first, then the others in an order that rotates: each of
+        # them follows the child in a third of the rounds (the round right after it ran
+        # slower on memcached: 0.61-0.64 ms a put against 0.32-0.49).
+        kvgate = SIDES[1:]
+        order = ("raw", *kvgate[r % len(kvgate) :], *kvgate[: r % len(kvgate)])
+        for side in order:
+            if side == "raw":
+                results[side].append(await _raw_round(url, options, size, n))
+                continue
+            put, delete = timed[side]
+            tag = f"put-path/{os.urandom(4).hex()}"
+            results[side].append(await _timed(put, tag, n, _warm_count(size)))
+            for key in [f"{tag}/warm-{i}" for i in range(_warm_count(size))]:
+                await delete(key)
+            for i in range(n):
+                await delete(f"{tag}/{i}")
     return results
+
+
+def _unlayered(connector: Connector) -> Connector:
+    """The connector under a tier's layers (each layer wraps the next as ``inner``)."""
+    while isinstance(connector, Layer):
+        connector = connector.inner
+    return connector
 
 
 def report(results: dict[str, list[float]], size: int) -> dict[str, Any]:
@@ -142,10 +193,15 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=64, help="puts per side and round")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--raw-round", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     steady_malloc_thresholds()  # as kvgate's CLI does
     size = parse_size(args.size)
     options = json.loads(args.tier_options)
+    if args.raw_round:  # the child of _raw_round
+        seconds = asyncio.run(raw_round_here(args.url, options, size, args.n))
+        print(json.dumps({"seconds_per_put": seconds}))
+        return
     results = asyncio.run(measure(args.url, options, size, args.n, args.rounds))
     summary = report(results, size)
     if args.json:

@@ -24,7 +24,12 @@ needs one round trip to the master; a wrong guess costs a size query. The stagin
 (``local_buffer_size``) bounds the object size, ``capabilities.max_object_size``: a larger put
 is a CapacityError, and so is a put into a full store (NO_AVAILABLE_HANDLE).
 
-Blocking calls run in a dedicated pool of ``threads`` threads. Every call has a deadline
+Blocking calls run in a dedicated pool of ``threads`` threads, the most recently idle one
+taking the next call (``gateway.recent_threads``: Mooncake's client ran one caller's
+back-to-back calls faster on one thread than rotating over four, and after an idle spell much
+faster). A Mooncake client closed while another is open in the same process slowed the open
+one's puts about 2.5x for its lifetime (measured here; the README has the figures): this
+connector keeps one client for its lifetime and closes it last. Every call has a deadline
 (``timeout``): past it the caller gets ``Timeout`` at once, while the Mooncake call finishes in
 its thread against staging memory only (``client``). The client is set up lazily by the first
 call, in that pool and under that call's deadline (an unreachable master otherwise blocks

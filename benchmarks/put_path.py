@@ -47,7 +47,7 @@ import xxhash
 
 from gateway.bench.store import bench_sources
 from gateway.codec import frame_head
-from gateway.config import parse_size
+from gateway.config import parse_size, redact_url
 from gateway.connector import Connector
 from gateway.layers import Layer
 from gateway.malloc_thresholds import steady_malloc_thresholds
@@ -65,24 +65,21 @@ def _meta(size: int) -> ObjectMeta:
 
 
 async def _raw_round(url: str, options: dict[str, Any], size: int, n: int) -> float:
-    """Seconds per put of the raw client, measured in a child process (see the module doc)."""
+    """Seconds per put of the raw client, measured in a child process (see the module doc).
+    The URL and options go to it on stdin, not its command line, which others can read."""
     child = await asyncio.create_subprocess_exec(
         sys.executable,
         __file__,
-        url,
-        "--tier-options",
-        json.dumps(options),
-        "--size",
-        str(size),
-        "-n",
-        str(n),
         "--raw-round",
+        stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )
-    out, _ = await child.communicate()
+    job = {"url": url, "options": options, "size": size, "n": n}
+    out, _ = await child.communicate(json.dumps(job).encode())
     if child.returncode != 0:
         raise RuntimeError(f"the raw client's round failed (exit {child.returncode})")
-    return float(json.loads(out)["seconds_per_put"])
+    # The last line: a client library may print lines of its own before it.
+    return float(json.loads(out.splitlines()[-1])["seconds_per_put"])
 
 
 async def raw_round_here(url: str, options: dict[str, Any], size: int, n: int) -> float:
@@ -157,11 +154,12 @@ async def _rounds(
                 continue
             put, delete = timed[side]
             tag = f"put-path/{os.urandom(4).hex()}"
-            results[side].append(await _timed(put, tag, n, _warm_count(size)))
-            for key in [f"{tag}/warm-{i}" for i in range(_warm_count(size))]:
-                await delete(key)
-            for i in range(n):
-                await delete(f"{tag}/{i}")
+            warm = _warm_count(size)
+            try:
+                results[side].append(await _timed(put, tag, n, warm))
+            finally:  # whatever happened, the round's keys do not stay behind
+                keys = [f"{tag}/warm-{i}" for i in range(warm)] + [f"{tag}/{i}" for i in range(n)]
+                await asyncio.gather(*(delete(k) for k in keys), return_exceptions=True)
     return results
 
 
@@ -187,7 +185,7 @@ def report(results: dict[str, list[float]], size: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("url")
+    parser.add_argument("url", nargs="?", help="the tier under test (required)")
     parser.add_argument("--tier-options", default="{}", help="the tier's options, as JSON")
     parser.add_argument("--size", default="1MiB")
     parser.add_argument("-n", type=int, default=64, help="puts per side and round")
@@ -196,18 +194,24 @@ def main() -> None:
     parser.add_argument("--raw-round", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     steady_malloc_thresholds()  # as kvgate's CLI does
-    size = parse_size(args.size)
-    options = json.loads(args.tier_options)
-    if args.raw_round:  # the child of _raw_round
-        seconds = asyncio.run(raw_round_here(args.url, options, size, args.n))
+    if args.raw_round:  # the child of _raw_round: its job comes on stdin
+        job = json.loads(sys.stdin.read())
+        seconds = asyncio.run(raw_round_here(job["url"], job["options"], job["size"], job["n"]))
         print(json.dumps({"seconds_per_put": seconds}))
         return
+    if args.url is None:
+        parser.error("the URL of the tier under test is required")
+    if args.rounds < 1 or args.n < 1:
+        parser.error("--rounds and -n must be at least 1")
+    size = parse_size(args.size)
+    options = json.loads(args.tier_options)
     results = asyncio.run(measure(args.url, options, size, args.n, args.rounds))
     summary = report(results, size)
     if args.json:
         print(json.dumps(summary))
         return
-    print(f"{args.url}, {args.size}, {args.n} puts a side and round, {args.rounds} rounds")
+    shown = redact_url(args.url)
+    print(f"{shown}, {args.size}, {args.n} puts a side and round, {args.rounds} rounds")
     for side, row in summary["sides"].items():
         print(f"  {side:11s} {row['us_per_put']:9.1f} us a put   {row['ratio_to_raw']:.3f}x raw")
 

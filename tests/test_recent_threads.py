@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 import threading
 import time
+import weakref
 from concurrent.futures import CancelledError, Future
 
 import pytest
@@ -14,11 +17,10 @@ from gateway.thread_jobs import in_thread
 
 
 def test_back_to_back_calls_stay_on_one_thread() -> None:
-    """A caller that waits for each call before the next (what an awaiting coroutine does)
-    gets the same thread every time, where the stock pool rotates over the ones it started."""
+    """A caller that waits for each call before the next gets the same thread every time."""
     pool = RecentThreadPool(4)
     try:
-        threads = {pool.submit(threading.get_ident).result() for _ in range(200)}
+        threads = {pool.submit(threading.get_ident).result(timeout=10) for _ in range(200)}
     finally:
         pool.shutdown()
     assert len(threads) == 1
@@ -26,7 +28,8 @@ def test_back_to_back_calls_stay_on_one_thread() -> None:
 
 async def test_awaited_calls_stay_on_one_thread() -> None:
     """The same through the event loop, as the connectors call it (``in_thread`` and
-    ``asyncio.wrap_future``)."""
+    ``asyncio.wrap_future``), where ``ThreadPoolExecutor`` spreads such calls over several
+    threads (it starts one whenever a call comes before the last one's thread is back)."""
     pool = RecentThreadPool(4)
     try:
         threads = {await in_thread(pool, threading.get_ident) for _ in range(100)}
@@ -92,7 +95,7 @@ def test_a_job_cancelled_before_it_starts_never_runs() -> None:
         assert pool.submit(ran.append, "third").result(timeout=10) is None
         assert ran == ["third"]
         with pytest.raises(CancelledError):
-            second.result()
+            second.result(timeout=10)
     finally:
         gate.set()
         pool.shutdown()
@@ -114,15 +117,33 @@ def test_shutdown_waits_for_running_jobs_and_refuses_new_ones() -> None:
         pool.submit(lambda: None)
 
 
-def test_shutdown_can_cancel_the_backlog() -> None:
+def test_shutdown_can_cancel_what_has_not_started() -> None:
     pool = RecentThreadPool(1)
     gate = threading.Event()
     running = pool.submit(gate.wait, 10)
     queued: list[Future[None]] = [pool.submit(time.sleep, 0) for _ in range(3)]
-    threading.Timer(0.1, gate.set).start()
-    pool.shutdown(wait=True, cancel_futures=True)
-    assert running.result() is True
+    pool.shutdown(wait=False, cancel_futures=True)
     assert all(f.cancelled() for f in queued)
+    gate.set()
+    pool.shutdown(wait=True)
+    assert running.result(timeout=10) is True
+
+
+def test_shutdown_cancels_a_job_handed_to_a_thread_that_has_not_started_it() -> None:
+    """The thread is still resolving its last job (a slow done callback) when the next job
+    is handed to it and the pool is shut down with ``cancel_futures``."""
+    pool = RecentThreadPool(1)
+    in_callback, leave_callback = threading.Event(), threading.Event()
+    first = pool.submit(lambda: None)
+    first.add_done_callback(lambda _: (in_callback.set(), leave_callback.wait(10)))
+    assert in_callback.wait(10)
+    ran: list[str] = []
+    second = pool.submit(ran.append, "second")
+    pool.shutdown(wait=False, cancel_futures=True)
+    leave_callback.set()
+    pool.shutdown(wait=True)
+    assert second.cancelled()
+    assert ran == []
 
 
 def test_idle_threads_exit_at_shutdown() -> None:
@@ -137,6 +158,64 @@ def test_idle_threads_exit_at_shutdown() -> None:
     assert len(ours()) == 3
     pool.shutdown(wait=True)
     assert ours() == []
+
+
+def test_a_dropped_pool_s_threads_end() -> None:
+    for _ in range(5):
+        pool = RecentThreadPool(2, thread_name_prefix="test-dropped")
+        pool.submit(lambda: 1).result(timeout=10)
+        del pool
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("test-dropped") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "threads of dropped pools still run"
+        time.sleep(0.01)
+
+
+def test_an_idle_thread_keeps_nothing_of_its_last_job() -> None:
+    pool = RecentThreadPool(2)
+    gate = threading.Barrier(2)
+    try:
+
+        class Big:
+            pass
+
+        # Two threads; the second finishes last, so the next jobs all go to it and the
+        # first stays idle with whatever it kept of its job.
+        first = pool.submit(lambda: (gate.wait(10), Big())[1])
+        pool.submit(gate.wait, 10).result(timeout=10)
+        kept = weakref.ref(first.result(timeout=10))
+        del first
+        for _ in range(20):
+            pool.submit(lambda: None).result(timeout=10)
+        gc.collect()
+        assert kept() is None
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_thread_killed_by_a_done_callback_loses_no_job() -> None:
+    """A done callback that raises ``SystemExit`` ends its thread (as with the stock pool);
+    a job handed to that thread meanwhile still runs."""
+    pool = RecentThreadPool(1)
+    try:
+        gate = threading.Event()
+
+        def first_job() -> threading.Thread:
+            gate.wait(10)
+            return threading.current_thread()
+
+        first = pool.submit(first_job)
+        first.add_done_callback(lambda _: sys.exit())
+        gate.set()
+        assert pool.submit(lambda: 2).result(timeout=10) == 2
+        assert pool.submit(lambda: 3).result(timeout=10) == 3
+        killed = first.result(timeout=10)
+        killed.join(10)  # its end is reported now, under this test's warning filter
+        assert not killed.is_alive()
+    finally:
+        pool.shutdown()
 
 
 def test_max_workers_must_be_positive() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -14,12 +15,11 @@ from servers.redis import RedisNode
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "put_path.py"
 
 
-def test_every_side_is_measured_and_cleaned_up(redis_server: RedisNode) -> None:
-    client = redis.Redis(host="127.0.0.1", port=redis_server.port)
-    before = client.dbsize()
+def test_every_side_is_measured_and_cleaned_up(redis_factory: Callable[..., RedisNode]) -> None:
+    server = redis_factory()  # its own server: nothing else's keys to count
     args = ["--size", "64KiB", "-n", "4", "--rounds", "1", "--json"]
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), redis_server.url, *args],
+        [sys.executable, str(SCRIPT), server.url, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -33,4 +33,18 @@ def test_every_side_is_measured_and_cleaned_up(redis_server: RedisNode) -> None:
         assert len(side["rounds_us"]) == 1
         assert side["us_per_put"] > 0
     assert sides["raw"]["ratio_to_raw"] == 1.0
-    assert client.dbsize() == before
+    assert redis.Redis(host="127.0.0.1", port=server.port).dbsize() == 0
+
+
+def test_the_url_is_shown_without_its_password(redis_factory: Callable[..., RedisNode]) -> None:
+    server = redis_factory(password="S3CRET-pw")
+    url = f"redis://:S3CRET-pw@127.0.0.1:{server.port}"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), url, "--size", "4KiB", "-n", "2", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "S3CRET" not in done.stdout + done.stderr
+    assert "store" in done.stdout

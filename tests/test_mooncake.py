@@ -254,13 +254,17 @@ async def test_an_object_over_the_staging_memory_is_a_capacity_error(
 async def test_a_full_store_is_a_capacity_error(mooncake_factory, prefix: str) -> None:  # type: ignore[no-untyped-def]
     cluster: MooncakeCluster = mooncake_factory(segment_size=64 * MiB)
     async with connect(cluster, local_buffer_size=256 * MiB) as conn:
-        with pytest.raises(CapacityError, match="full"):
-            await conn.put(f"{prefix}larger-than-the-segment", b"z" * (96 * MiB))
         # Fill the segment with objects that readers hold leases on: nothing can be evicted.
+        # (A put that does not fit asks the master to evict, and its eviction thread may run
+        # a while later: the fill goes first, so that no such request is pending while an
+        # object is still without a lease. CI once saw fill/0 evicted the other way round.)
         keys = [f"{prefix}fill/{i}" for i in range(6)]
         for key in keys:
             await conn.put(key, b"f" * (8 * MiB))
-        assert await conn.exists_many(keys) == [True] * len(keys)
+        assert await conn.exists_many(keys) == [True] * len(keys)  # leases for 2 s
+        with pytest.raises(CapacityError, match="full"):
+            await conn.put(f"{prefix}larger-than-the-segment", b"z" * (96 * MiB))
+        assert await conn.exists_many(keys) == [True] * len(keys)  # nothing evicted; renewed
         with pytest.raises(CapacityError, match="full"):
             await conn.put(f"{prefix}one-too-many", b"o" * (24 * MiB))
         # The store is usable again for what fits.

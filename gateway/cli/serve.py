@@ -13,7 +13,7 @@ from rich.console import Console
 
 from gateway.config import parse_size
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # a message stays one line, however long
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -171,8 +171,21 @@ def serve(
         else [partial(lm_serving, host=lm_host, port=lm_port, idle_timeout=lm_idle_timeout)],
     )
     log_to_stderr(log_level)
-    # uvloop and httptools when installed ("auto"); the plain asyncio loop and h11 otherwise.
-    uvicorn.run(application, host=host, port=port, log_level=log_level, loop="auto", http=http)
+    state = application.state.kvgate
+    # A refused start is reported below in one line: not as uvicorn's traceback of it.
+    logging.getLogger("uvicorn.error").addFilter(
+        lambda record: state.startup_error is None or record.levelno < logging.ERROR
+    )
+    try:
+        # uvloop and httptools when installed ("auto"); the plain asyncio loop and h11 otherwise.
+        uvicorn.run(application, host=host, port=port, log_level=log_level, loop="auto", http=http)
+    except SystemExit:  # uvicorn's exit status 3: the app did not start
+        if state.startup_error is None:
+            raise
+    refusal = state.startup_error
+    if refusal is not None:
+        err.print(f"kvgate serve: not started: {refusal}", markup=False, highlight=False)
+        raise typer.Exit(2 if isinstance(refusal, ConfigError | MissingDependency) else 1)
 
 
 # kvgate's own loggers ("kvgate.*", and modules' ``__name__`` loggers), which uvicorn's

@@ -120,6 +120,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 Companion = Callable[[Store], AbstractAsyncContextManager[object]]
+
+# Errors that refuse the service's start for a reason its operator can fix (a tier's directory
+# in use by another server or read-only, a missing dependency, a port taken): recorded on the
+# state, so that ``kvgate serve`` can say so in one line. A bug's exception keeps its traceback.
+STARTUP_REFUSALS = (GatewayError, OSError)
 """A service that runs beside the app on its Store (``create_app``'s ``companions``)."""
 
 
@@ -152,13 +157,18 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with state.store, contextlib.AsyncExitStack() as stack:
-            if state.body_pool_size:  # prefaulting touches every page: not on the loop
-                state.body_pool = await asyncio.to_thread(
-                    BufferPool, state.body_pool_size, pin=False, prefault=True
-                )
-            for companion in companions:  # stopped before the store closes
-                await stack.enter_async_context(companion(state.store))
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(state.store)  # closed last
+                if state.body_pool_size:  # prefaulting touches every page: not on the loop
+                    state.body_pool = await asyncio.to_thread(
+                        BufferPool, state.body_pool_size, pin=False, prefault=True
+                    )
+                for companion in companions:  # stopped before the store closes
+                    await stack.enter_async_context(companion(state.store))
+            except STARTUP_REFUSALS as exc:  # a directory in use, a port taken, ...
+                state.startup_error = exc
+                raise
             state.ready = True
             try:
                 yield

@@ -36,6 +36,9 @@ class ServiceState:
     body_budget: ByteBudget | None = None  # bytes all request bodies may hold at once
     codecs: Codecs = field(default_factory=Codecs)
     ready: bool = False
+    # What refused the service's start (opening the Store or a companion): ``kvgate serve``
+    # reports it in one line instead of uvicorn's start-up traceback.
+    startup_error: Exception | None = None
     listings: KeyListings = field(init=False)  # GET /v1/keys: the pages' snapshots
     # Plain bodies read into the store's pool (the put keeps them), bounded together.
     staging: StagingAllowance = field(init=False)

@@ -33,6 +33,7 @@ from gateway.http.body import (
     read_body,
     read_json,
 )
+from gateway.http.key_path import KEY_PATH
 from gateway.http.state import MAX_LOOKUP_KEYS, ServiceState, state_of
 from gateway.keys import normalize_key
 from gateway.objects import ObjectData
@@ -179,7 +180,7 @@ def object_router() -> APIRouter:
     router = APIRouter(tags=["objects"])
 
     @router.put(
-        OBJECTS + "{key:path}",
+        OBJECTS + KEY_PATH,
         status_code=204,
         response_class=Response,
         openapi_extra=_OBJECT_BODY,
@@ -233,7 +234,7 @@ def object_router() -> APIRouter:
             body.release()  # the store copied the object, or holds the staged slab itself
         return Response(status_code=204)
 
-    @router.get(OBJECTS + "{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
+    @router.get(OBJECTS + KEY_PATH, response_class=Response, responses=_OBJECT_ANSWER)
     async def get_object(
         key: ObjectKey,
         request: Request,
@@ -254,7 +255,7 @@ def object_router() -> APIRouter:
             return PartsResponse(parts, media_type=FRAME_TYPE, headers=headers | more, keep=data)
         return PartsResponse([data.host()], media_type=OCTETS, headers=headers, keep=data)
 
-    @router.head(OBJECTS + "{key:path}", response_class=Response, responses=_OBJECT_ANSWER)
+    @router.head(OBJECTS + KEY_PATH, response_class=Response, responses=_OBJECT_ANSWER)
     async def head_object(key: ObjectKey, request: Request) -> Response:
         """The headers a plain GET would answer, without the body. An object only a lower
         tier holds is read but not promoted into the memory tier (``Store.stat``)."""
@@ -265,7 +266,7 @@ def object_router() -> APIRouter:
         return Response(status_code=200, headers=headers, media_type=OCTETS)
 
     @router.delete(
-        OBJECTS + "{key:path}",
+        OBJECTS + KEY_PATH,
         status_code=204,
         response_class=Response,
         responses={404: {"description": "Not stored"}},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -17,7 +18,13 @@ from hypothesis import strategies as st
 
 from connectors.fs.connector import FileConnector
 from gateway import Store
-from gateway.errors import CapacityError, ConfigError, CorruptObject, GatewayError
+from gateway.errors import (
+    CapacityError,
+    ConfigError,
+    CorruptObject,
+    GatewayError,
+    Unavailable,
+)
 from gateway.testing import assert_same_bytes, listed, make_bytes
 
 KiB = 1 << 10
@@ -411,5 +418,28 @@ async def test_full_disk_is_a_capacity_error_and_leaves_nothing_behind(small_dis
         assert conn.usage() == (MiB, None)
         await conn.put("small", b"still works")
         assert await conn.get("small") == b"still works"
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("removed", ["", "objects", "tmp"])
+async def test_a_directory_removed_in_use_is_named_in_the_error(
+    tmp_path: Path, removed: str
+) -> None:
+    """``rm -rf`` of the data directory (or of ``objects/`` or ``tmp/``) under a running tier:
+    its puts and its ping say which directory went away, not a bare fan-out folder name, also
+    once a directory is made again at the path (the tier's open one is still the old one)."""
+    root = tmp_path / "data"
+    conn = FileConnector(root)
+    try:
+        await conn.put("before", [b"x"])
+        assert await conn.ping()
+        gone = root / removed if removed else root
+        await asyncio.to_thread(shutil.rmtree, gone)
+        gone.mkdir(parents=True)
+        with pytest.raises(Unavailable, match=f"{gone} was removed while in use"):
+            await conn.put("after", [b"y" * 4096])
+        with pytest.raises(Unavailable, match=f"{gone} was removed while in use"):
+            await conn.ping()
     finally:
         await conn.close()

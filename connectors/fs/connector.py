@@ -549,8 +549,22 @@ class FileConnector(BaseConnector):
             try:
                 await asyncio.to_thread(os.stat, self._objects)
             except OSError as exc:
-                raise Unavailable(f"{self!r}: {exc}") from exc
+                raise self._unavailable("ping", exc) from exc
+            gone = self._tree.removed()
+            if gone is not None:  # a directory made again at the path is not this tier's
+                raise self._unavailable("ping", FileNotFoundError(errno.ENOENT, "removed", gone))
             return True
+
+    def _unavailable(self, what: str, exc: OSError) -> Unavailable:
+        """``exc`` as the tier's error; one that a removed directory explains says so (the
+        bare error names a fan-out folder, ``'88'``, relative to a directory now gone)."""
+        gone = self._tree.removed() if exc.errno == errno.ENOENT else None
+        if gone is not None:
+            return Unavailable(
+                f"{self!r}: {gone} was removed while in use, so nothing can be stored or read "
+                f"there until kvgate restarts (it then starts empty); {what}: {exc}"
+            )
+        return Unavailable(f"{self!r}: {what}: {exc}")
 
     def usage(self) -> tuple[int, int | None]:
         return (self._used, self.capacity)
@@ -585,7 +599,7 @@ class FileConnector(BaseConnector):
                 except OSError as exc:
                     if exc.errno in _DISK_FULL:
                         raise CapacityError(f"{self!r}: disk full writing {size} bytes") from exc
-                    raise Unavailable(f"{self!r}: writing {key!r}: {exc}") from exc
+                    raise self._unavailable(f"writing {key!r}", exc) from exc
                 finally:
                     self._release(reservation)
                 if fsync_error is not None:

@@ -95,6 +95,19 @@ class Tree:
             self.close()
             raise
 
+    def removed(self) -> str | None:
+        """The directory of the tree removed while open (``rm -rf`` of the data directory, or
+        of ``objects/`` or ``tmp/``), or None. Its fds still work, but name nothing: writes
+        fail with ENOENT on bare fan-out names, and a directory made again at the path is
+        another one, which this tree never uses."""
+        for fd, name in ((self.root_fd, ""), (self.objects, "objects"), (self.tmp, "tmp")):
+            try:
+                if os.fstat(fd).st_nlink == 0:
+                    return os.path.join(self.root, name) if name else self.root
+            except OSError:
+                return self.root  # closed: treated as gone
+        return None
+
     def close(self) -> None:
         """Close every fd, which also drops the lock. Idempotent."""
         _close_all(self._fds)

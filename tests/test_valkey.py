@@ -6,6 +6,7 @@ Server state is inspected with redis-cli, independently of the connector and of 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import time
 import uuid
@@ -455,4 +456,69 @@ async def test_server_restart_is_survived(tmp_path: Path, namespace: str) -> Non
         assert await conn.get("k") == b"after"
     finally:
         await conn.close()
+        server.stop()
+
+
+class LoopStall:
+    """The longest the event loop went without running a 10 ms ticker, while in the block."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            self.worst = max(self.worst, now - last - 0.01)
+            last = now
+
+    async def __aenter__(self) -> LoopStall:
+        self._task = asyncio.ensure_future(self._tick())
+        await asyncio.sleep(0.02)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("down", ["stopped", "refused"])
+async def test_a_server_that_does_not_answer_never_holds_the_event_loop(
+    tmp_path: Path, namespace: str, down: str
+) -> None:
+    """glide connects inside a blocking native call: with the server stopped (SIGSTOP: the
+    kernel still accepts) every get and put of the process, memory tier too, froze for
+    ``connect_timeout`` per client on each try. Now the calls fail within the tier's
+    timeout (refused: at once) and the memory tier answers meanwhile."""
+    port = free_port()
+    server: ServerProcess = start_valkey(tmp_path / "stopped", port)
+    config = {
+        "prefault": False,
+        "tiers": [
+            {"url": "memory://", "capacity": "16MiB"},
+            {
+                "url": f"valkey://127.0.0.1:{port}",
+                "options": {"namespace": namespace},
+                "timeout": 2.0,
+            },
+        ],
+    }
+    try:
+        if down == "refused":
+            server.stop()
+        async with Store(config) as store, LoopStall() as stall:
+            await store.put("in-memory", b"m" * 4096)
+            with server.paused() if down == "stopped" else contextlib.nullcontext():
+                for _ in range(2):  # a second try connects again
+                    start = time.monotonic()
+                    assert await store.get("absent") is None
+                    took = time.monotonic() - start
+                    assert took < (2.5 if down == "stopped" else 0.5), took
+                    assert await store.get("in-memory") == b"m" * 4096
+            assert stall.worst < 0.5, f"the loop stalled {stall.worst:.2f} s"
+    finally:
         server.stop()

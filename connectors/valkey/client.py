@@ -1,7 +1,8 @@
 """valkey-glide underneath the Valkey connector: a few clients, one error map, the part backend.
 
-``GlidePool`` holds ``connections`` glide clients, created on first use (glide connects
-asynchronously; ``from_url`` is synchronous) and spread round-robin over requests. Glide
+``GlidePool`` holds ``connections`` glide clients, created on first use, once a probe of
+the server answers (``probe``: glide's create holds the event loop while it connects) and
+spread round-robin over requests. Glide
 multiplexes each client over one connection per node; several clients give several
 connections, which large parallel part transfers use (see ``connections`` in the options).
 
@@ -50,6 +51,7 @@ from glide import ConnectionError as GlideConnectionError
 from glide import TimeoutError as GlideTimeoutError
 
 from connectors.valkey.config import Endpoint, GlideConfig, ValkeyOptions, glide_config
+from connectors.valkey.probe import probe_tls, server_answers
 from gateway.errors import (
     CapacityError,
     ConfigError,
@@ -140,6 +142,8 @@ class GlidePool:
         self.endpoint = endpoint
         self.target = endpoint.display
         self._config = glide_config(endpoint, options)  # checks TLS files etc. now
+        self._probe_tls = probe_tls(endpoint, options)
+        self._connect_timeout = options.connect_timeout
         self._size = options.connections
         self._clients: list[Client] = []
         self._lock = asyncio.Lock()
@@ -153,6 +157,10 @@ class GlidePool:
             raise GatewayError(f"{self.target}: the connector is closed")
         async with self._lock:
             if not self._clients and not self._closed:
+                # glide's create holds the loop while it connects: only once a server answers
+                await server_answers(
+                    self.target, self.endpoint.addresses, self._probe_tls, self._connect_timeout
+                )
                 made = await asyncio.gather(
                     *(create_client(self._config, self.target) for _ in range(self._size)),
                     return_exceptions=True,

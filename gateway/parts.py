@@ -36,14 +36,23 @@ the pending margin). A crash between the commit and that step leaves an object w
 later expire: it becomes a miss, never wrong. The commit swaps ``K`` and returns the value it
 replaced; when that was a manifest, the superseded parts are deleted (each old manifest is
 returned by exactly one swap, so concurrent writers clean up after each other exactly once).
+
+Superseded parts have no TTL any more (their own commit made them durable), so a removal of
+them that fails (a connection reset part-way) would leave them for ever: their keys are kept
+in memory (``ORPHANS_KEPT`` at most) and removed with the next removal or after the next
+commit. The parts of a failed write are removed at once and kept for one more removal: a
+part whose request was cut short by the failure can still land after the first one (they
+would expire by their pending TTL, an hour by default, on a server that may be full).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, overload
@@ -57,6 +66,8 @@ INLINE = 0
 MANIFEST = 1
 _MANIFEST = struct.Struct("<4sB16sQQI")
 _log = logging.getLogger(__name__)
+ORPHANS_KEPT = 1 << 16  # part keys kept for another removal; past it the oldest are forgotten
+ORPHANS_PER_REMOVAL = 4096  # of those, sent with one removal
 _MAGIC = b"KVGP"
 _VERSION = 1
 MANIFEST_SIZE = 1 + _MANIFEST.size
@@ -315,6 +326,7 @@ class StripedObjects:
         self.inline_max = inline_max
         self.pending_ttl = pending_ttl
         self.min_part_size = min_part_size
+        self._orphans: deque[bytes] = deque()  # part keys to remove again (see the module doc)
 
     def part_keys(self, manifest: Manifest) -> Sequence[bytes]:
         base = self.parts_prefix + manifest.gen.hex().encode() + b":"
@@ -339,8 +351,9 @@ class StripedObjects:
         try:
             await self.backend.write_parts(list(zip(keys, slices, strict=True)), pending)
         except Exception:
-            # Nothing points at these parts; remove them now rather than wait for their TTL.
-            await self._remove_quietly(keys)
+            # Nothing points at these parts; remove them now rather than wait for their TTL,
+            # and once more later: one cut short by the failure may still land after this.
+            await self._remove_quietly(keys, again=True)
             raise
         previous = await self.backend.swap(key, [memoryview(manifest.encode())], ttl)
         try:
@@ -429,20 +442,47 @@ class StripedObjects:
         return previous is not None
 
     async def _drop_superseded(self, previous: Buffer | None) -> None:
-        if previous is None:
-            return
-        try:
-            manifest = parse_head(previous)
-        except MalformedValue:
-            return  # not ours (garbage under the key): nothing of ours to clean up
+        manifest = None
+        if previous is not None:
+            # garbage under the key is not ours: nothing of ours to clean up
+            with contextlib.suppress(MalformedValue):
+                manifest = parse_head(previous)
         if manifest is not None:
             await self._remove_quietly(self.part_keys(manifest))
+        elif self._orphans:  # a commit went through: the server takes requests again
+            await self._remove_quietly(())
 
-    async def _remove_quietly(self, keys: Sequence[bytes]) -> None:
-        """Best effort: parts nobody points at also expire by their pending TTL."""
+    @property
+    def orphans(self) -> int:
+        """Part keys kept for another removal."""
+        return len(self._orphans)
+
+    async def _remove_quietly(self, keys: Sequence[bytes], *, again: bool = False) -> None:
+        """Remove ``keys`` with up to ``ORPHANS_PER_REMOVAL`` kept ones; what this fails to
+        remove is kept for the next try (``again``: ``keys`` are kept even when it works)."""
+        count = min(len(self._orphans), ORPHANS_PER_REMOVAL)
+        kept = [self._orphans.popleft() for _ in range(count)]
+        batch = [*keys, *kept]
+        if not batch:
+            return
         try:
-            await self.backend.remove(keys)
+            await self.backend.remove(batch)
         except Exception as exc:
-            _log.debug(
-                "could not remove %d orphaned parts (they expire by TTL): %s", len(keys), exc
+            self._keep(batch)
+            _log.debug("could not remove %d parts (kept to try again): %s", len(batch), exc)
+            return
+        if again:
+            self._keep(keys)
+
+    def _keep(self, keys: Sequence[bytes]) -> None:
+        self._orphans.extend(keys)
+        over = len(self._orphans) - ORPHANS_KEPT
+        if over > 0:
+            for _ in range(over):
+                self._orphans.popleft()
+            _log.warning(
+                "forgot %d part keys whose removal failed (over %d kept): those without a TTL "
+                "stay on the server until deleted by hand",
+                over,
+                ORPHANS_KEPT,
             )

@@ -184,7 +184,7 @@ async def test_a_full_server_is_a_capacity_error_and_leaves_no_parts(
     policy = ["--maxmemory", "16mb", "--maxmemory-policy", "noeviction"]
     server = start_valkey(tmp_path / "full", port, *policy)
     url = f"valkey://127.0.0.1:{port}"
-    conn = ValkeyConnector.from_url(url, namespace=namespace, part_size="1MiB")
+    conn = ValkeyConnector.from_url(url, namespace=namespace, part_size="1MiB", inline_max="64KiB")
     try:
         with pytest.raises(CapacityError):
             await conn.put("big", make_bytes(64 * MiB))
@@ -521,4 +521,29 @@ async def test_a_server_that_does_not_answer_never_holds_the_event_loop(
                     assert await store.get("in-memory") == b"m" * 4096
             assert stall.worst < 0.5, f"the loop stalled {stall.worst:.2f} s"
     finally:
+        server.stop()
+
+
+async def test_parts_left_by_a_failed_removal_are_removed_after_the_next_commit(
+    tmp_path: Path, namespace: str
+) -> None:
+    """An overwrite's removal of the replaced object's parts can fail (a connection reset
+    part-way, here an ACL without DEL): those parts have no TTL any more, and were left on the
+    server for ever. They are kept and removed once removals work again."""
+    port = free_port()
+    server: ServerProcess = start_valkey(tmp_path / "acl", port)
+    redis_cli(port, "ACL", "SETUSER", "writer", "on", ">Pw-2", "~*", "+@all", "-del", "-unlink")
+    url = f"valkey://writer:Pw-2@127.0.0.1:{port}"
+    conn = ValkeyConnector.from_url(url, namespace=namespace, part_size="1MiB", inline_max="64KiB")
+    try:
+        first, second, third = (make_bytes(3 * MiB + 5, seed=s) for s in (1, 2, 3))
+        await conn.put("k", first)
+        await conn.put("k", second)  # the first object's parts stay: no DEL
+        assert len(redis_cli(port, "--scan", "--pattern", f"{namespace}*").split()) == 1 + 2 * 4
+        redis_cli(port, "ACL", "SETUSER", "writer", "+del", "+unlink")
+        await conn.put("k", third)  # removes the second object's parts, and the first's
+        assert len(redis_cli(port, "--scan", "--pattern", f"{namespace}*").split()) == 1 + 4
+        assert_same_bytes(await conn.get("k"), third)
+    finally:
+        await conn.close()
         server.stop()

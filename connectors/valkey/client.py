@@ -64,6 +64,7 @@ from gateway.parts import MANIFEST_SIZE, bounded_all
 from gateway.types import Buffer
 
 T = TypeVar("T")
+_DEL_KEYS = 1024
 Client = GlideClient | GlideClusterClient
 
 
@@ -331,11 +332,12 @@ class GlideParts:
         await self._spread(len(keys), apply)
 
     async def remove(self, keys: Sequence[bytes]) -> None:
-        if keys:
-            # One DEL per key: in a cluster the parts lie in many slots.
+        # A DEL of up to _DEL_KEYS keys (glide splits one by slot in a cluster): one DEL per
+        # key let a connection reset part-way leave the rest of an object's parts for ever.
+        chunks = [list(keys[i : i + _DEL_KEYS]) for i in range(0, len(keys), _DEL_KEYS)]
 
-            async def delete(i: int, client: Client) -> bool:
-                await client.delete([keys[i]])
-                return True
+        async def delete(i: int, client: Client) -> bool:
+            await client.delete(chunks[i])
+            return True
 
-            await self._spread(len(keys), delete)
+        await self._spread(len(chunks), delete)

@@ -48,6 +48,21 @@ async def test_a_disk_tier_directory_in_use_is_one_line_and_status_2(tmp_path: P
     assert f"directory {data} is in use" in refusal[0]
 
 
+def test_a_misspelt_connector_option_is_one_line_and_status_2(tmp_path: Path) -> None:
+    """Connectors check their own options as they open (``check_plugins`` does not)."""
+    config = _config(
+        tmp_path,
+        "  - url: memory://\n    capacity: 16MiB\n"
+        "  - url: redis://127.0.0.1:1/0\n    options: {socket_timout: 5}\n",
+    )
+    status, stderr = _run(tmp_path, config)
+    assert status == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    refusal = [line for line in stderr.splitlines() if line.startswith("kvgate serve:")]
+    assert len(refusal) == 1, stderr
+    assert "option 'socket_timout'" in refusal[0]
+
+
 def test_an_lm_port_taken_is_one_line_and_status_1(tmp_path: Path) -> None:
     config = _config(tmp_path, "  - url: memory://\n    capacity: 16MiB\n")
     with socket.socket() as taken:

@@ -356,6 +356,21 @@ async def test_full_server_is_a_capacity_error(
     assert len(node.client().keys("kvgate:p:*")) == 0
 
 
+async def test_an_acl_refusal_is_a_config_error_that_names_the_acl(
+    redis_factory: Callable[..., RedisNode], make_conn: Callable[..., RedisConnector]
+) -> None:
+    """Logged in, refused by the user's ACL: not "authentication failed: check username and
+    password", which sent the user to the wrong problem."""
+    node = redis_factory()
+    node.cli("ACL", "SETUSER", "reader", "on", ">Pw-3", "~*", "+@read", "+@connection")
+    conn = make_conn(f"redis://reader:Pw-3@127.0.0.1:{node.port}/0")
+    for call in (lambda: conn.put("k", b"v"), lambda: conn.put("k", make_bytes(9 * MiB))):
+        with pytest.raises(ConfigError, match="ACL refuses") as info:
+            await call()
+        assert "authentication failed" not in str(info.value)
+        assert "Pw-3" not in str(info.value)
+
+
 async def test_unreachable_servers_are_unavailable_quickly(
     make_conn: Callable[..., RedisConnector],
 ) -> None:

@@ -102,6 +102,9 @@ def redis_error(exc: BaseException, where: str, secrets: Sequence[str] = ()) -> 
     # server's message, which a pipeline wraps as "Command # n (...) caused error: ('CODE ...',)".
     detail = text.rpartition("caused error: ")[2].lstrip("('\"")
     code = getattr(exc, "status_code", None) or detail.partition(" ")[0]
+    # Logged in, but the user's ACL refuses the command or the key.
+    if isinstance(exc, NoPermissionError) or code == "NOPERM" or "no permissions" in text:
+        return ConfigError(f"{message} (the user's ACL refuses this: grant it on the server)")
     # "unauthenticated bulk length": a large command sent before AUTH (no password given).
     if isinstance(exc, _AUTH) or code in _AUTH_CODES or "unauthenticated" in text:
         return ConfigError(f"{message} (authentication failed: check username and password)")

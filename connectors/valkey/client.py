@@ -83,7 +83,7 @@ def _quiet_legacy_glide_modules() -> None:
 
 
 _quiet_legacy_glide_modules()
-_AUTH_CODES = ("WRONGPASS", "NOAUTH", "NOPERM", "INVALID USERNAME-PASSWORD")
+_AUTH_CODES = ("WRONGPASS", "NOAUTH", "INVALID USERNAME-PASSWORD")
 _OOM = re.compile(r"\bOOM\b")
 _BUSY_CODES = ("LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
 
@@ -92,6 +92,10 @@ def to_gateway_error(exc: GlideError, target: str) -> GatewayError:
     """The kvgate error kind for a glide exception (messages name the endpoint, no secret)."""
     text = str(exc).strip()
     upper = text.upper()
+    if "NOPERM" in upper or "PERMISSIONDENIED" in upper or "NO PERMISSIONS" in upper:
+        return ConfigError(
+            f"{target}: the user's ACL refuses this (grant it on the server): {text}"
+        )
     if any(code in upper for code in _AUTH_CODES):
         # The server's message names no password; the endpoint is shown without one.
         return ConfigError(f"{target}: authentication failed (check username/password): {text}")

@@ -48,6 +48,8 @@ from glide import (
 )
 from glide import ConfigurationError as GlideConfigurationError
 from glide import ConnectionError as GlideConnectionError
+from glide import Logger as GlideLogger
+from glide import LogLevel as GlideLogLevel
 from glide import TimeoutError as GlideTimeoutError
 
 from connectors.valkey.config import Endpoint, GlideConfig, ValkeyOptions, glide_config
@@ -83,6 +85,15 @@ def _quiet_legacy_glide_modules() -> None:
 
 
 _quiet_legacy_glide_modules()
+
+
+def _glide_logs_errors_only() -> None:
+    """glide's core logs WARN lines of its own (two per failed reconnect) straight to the
+    console, past kvgate's logging and its rate limits; kvgate reports those failures
+    itself. Only where nobody set glide's logger up (``Logger.init`` keeps a set-up one)."""
+    GlideLogger.init(GlideLogLevel.ERROR)
+
+
 _AUTH_CODES = ("WRONGPASS", "NOAUTH", "INVALID USERNAME-PASSWORD")
 _OOM = re.compile(r"\bOOM\b")
 _BUSY_CODES = ("LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
@@ -146,6 +157,7 @@ class GlidePool:
     def __init__(self, endpoint: Endpoint, options: ValkeyOptions) -> None:
         self.endpoint = endpoint
         self.target = endpoint.display
+        _glide_logs_errors_only()
         self._config = glide_config(endpoint, options)  # checks TLS files etc. now
         self._probe_tls = probe_tls(endpoint, options)
         self._connect_timeout = options.connect_timeout

@@ -14,8 +14,9 @@ from gateway import Store
 RUN_S = 90.0  # imports (torch) on a busy machine, then the refused start
 
 
-def _run(work_dir: Path, config: Path, args: list[str] | None = None) -> tuple[int, str]:
-    """Run ``kvgate serve`` to its end; (exit status, stderr)."""
+def _refusal(work_dir: Path, config: Path, status: int, args: list[str] | None = None) -> str:
+    """Run ``kvgate serve`` to its end; check it exits with ``status`` and one line saying why,
+    no traceback; that line."""
     serve = kvgate_serve(work_dir, config=config, args=args or [])
     done = subprocess.run(
         serve.process.argv,
@@ -26,7 +27,12 @@ def _run(work_dir: Path, config: Path, args: list[str] | None = None) -> tuple[i
         timeout=RUN_S,
         check=False,
     )
-    return done.returncode, done.stderr
+    assert done.returncode == status, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    refusal = [line for line in done.stderr.splitlines() if line.startswith("kvgate serve:")]
+    assert len(refusal) == 1, done.stderr
+    assert refusal[0].startswith("kvgate serve: not started: ")
+    return refusal[0]
 
 
 def _config(tmp_path: Path, tiers: str) -> Path:
@@ -39,13 +45,8 @@ async def test_a_disk_tier_directory_in_use_is_one_line_and_status_2(tmp_path: P
     data = tmp_path / "data"
     config = _config(tmp_path, f"  - url: memory://\n    capacity: 16MiB\n  - url: file://{data}\n")
     async with Store({"tiers": [{"url": f"file://{data}"}]}):  # holds the directory's lock
-        status, stderr = _run(tmp_path, config)
-    assert status == 2, stderr
-    assert "Traceback" not in stderr, stderr
-    refusal = [line for line in stderr.splitlines() if line.startswith("kvgate serve:")]
-    assert len(refusal) == 1, stderr
-    assert "not started" in refusal[0]
-    assert f"directory {data} is in use" in refusal[0]
+        refusal = _refusal(tmp_path, config, 2)
+    assert f"directory {data} is in use" in refusal
 
 
 def test_a_misspelt_connector_option_is_one_line_and_status_2(tmp_path: Path) -> None:
@@ -55,12 +56,7 @@ def test_a_misspelt_connector_option_is_one_line_and_status_2(tmp_path: Path) ->
         "  - url: memory://\n    capacity: 16MiB\n"
         "  - url: redis://127.0.0.1:1/0\n    options: {socket_timout: 5}\n",
     )
-    status, stderr = _run(tmp_path, config)
-    assert status == 2, stderr
-    assert "Traceback" not in stderr, stderr
-    refusal = [line for line in stderr.splitlines() if line.startswith("kvgate serve:")]
-    assert len(refusal) == 1, stderr
-    assert "option 'socket_timout'" in refusal[0]
+    assert "option 'socket_timout'" in _refusal(tmp_path, config, 2)
 
 
 def test_an_lm_port_taken_is_one_line_and_status_1(tmp_path: Path) -> None:
@@ -70,9 +66,5 @@ def test_an_lm_port_taken_is_one_line_and_status_1(tmp_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         # kvgate_serve passes --lm-port first; argparse-style options take the last value.
-        status, stderr = _run(tmp_path, config, ["--lm-port", str(port)])
-    assert status == 1, stderr
-    assert "Traceback" not in stderr, stderr
-    refusal = [line for line in stderr.splitlines() if line.startswith("kvgate serve:")]
-    assert len(refusal) == 1, stderr
-    assert "address already in use" in refusal[0]
+        refusal = _refusal(tmp_path, config, 1, ["--lm-port", str(port)])
+    assert "address already in use" in refusal

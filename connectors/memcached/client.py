@@ -356,7 +356,12 @@ class MemcachedClient:
         except ServerError as exc:
             message = str(exc)
             lowered = message.lower()
-            if "too large" in lowered or "out of memory" in lowered:
+            if "too large" in lowered:  # an item over the server's -I: parts are item_limit
+                raise CapacityError(
+                    f"{self.name}: {what}: {message} (is the tier's item_limit over the "
+                    "server's -I item size?)"
+                ) from exc
+            if "out of memory" in lowered:
                 raise CapacityError(f"{self.name}: {what}: {message}") from exc
             raise GatewayError(f"{self.name}: {what}: the server replied {message!r}") from exc
         except ProtocolError as exc:

@@ -452,11 +452,6 @@ class StripedObjects:
         elif self._orphans:  # a commit went through: the server takes requests again
             await self._remove_quietly(())
 
-    @property
-    def orphans(self) -> int:
-        """Part keys kept for another removal."""
-        return len(self._orphans)
-
     async def _remove_quietly(self, keys: Sequence[bytes], *, again: bool = False) -> None:
         """Remove ``keys`` with up to ``ORPHANS_PER_REMOVAL`` kept ones; what this fails to
         remove is kept for the next try (``again``: ``keys`` are kept even when it works)."""

@@ -365,7 +365,7 @@ async def test_item_limit_above_the_servers_is_a_capacity_error(
     for options in ({"split": False}, {"part_size": "4MiB"}):
         c = MemcachedConnector.from_url(server.url, item_limit="64MiB", **options)
         try:
-            with pytest.raises(CapacityError, match="too large.*item_limit"):
+            with pytest.raises(CapacityError, match=r"too large.*item_limit"):
                 await c.put("big", make_bytes(4 * MiB + 1))
             assert await c.get("big") is None
             await c.put("small", b"still fine")  # the connection is in step

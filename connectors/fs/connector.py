@@ -548,11 +548,10 @@ class FileConnector(BaseConnector):
             await self._ready()
             try:
                 await asyncio.to_thread(os.stat, self._objects)
+                if self._tree.removed() is not None:  # one made again there is not this tier's
+                    raise FileNotFoundError(errno.ENOENT, "the tier's directory was removed")
             except OSError as exc:
                 raise self._unavailable("ping", exc) from exc
-            gone = self._tree.removed()
-            if gone is not None:  # a directory made again at the path is not this tier's
-                raise self._unavailable("ping", FileNotFoundError(errno.ENOENT, "removed", gone))
             return True
 
     def _unavailable(self, what: str, exc: OSError) -> Unavailable:

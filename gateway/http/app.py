@@ -120,12 +120,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 Companion = Callable[[Store], AbstractAsyncContextManager[object]]
+"""A service that runs beside the app on its Store (``create_app``'s ``companions``)."""
 
 # Errors that refuse the service's start for a reason its operator can fix (a tier's directory
 # in use by another server or read-only, a missing dependency, a port taken): recorded on the
 # state, so that ``kvgate serve`` can say so in one line. A bug's exception keeps its traceback.
 STARTUP_REFUSALS = (GatewayError, OSError)
-"""A service that runs beside the app on its Store (``create_app``'s ``companions``)."""
 
 
 def create_app(

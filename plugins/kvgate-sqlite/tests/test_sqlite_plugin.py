@@ -22,7 +22,15 @@ except ModuleNotFoundError:  # the plugin is installed by .ci/plugins; CI must n
     pytest.skip("kvgate-sqlite is not installed (bash .ci/plugins)", allow_module_level=True)
 
 from gateway.connector import limiting_reads
-from gateway.errors import CapacityError, ConfigError, CorruptObject, Timeout
+from gateway.errors import (
+    CapacityError,
+    ConfigError,
+    CorruptObject,
+    OverReadLimit,
+    Timeout,
+    Unavailable,
+)
+from gateway.store import Store
 from gateway.testing import assert_same_bytes, make_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -67,6 +75,30 @@ def test_bad_options_are_config_errors(tmp_path: Path) -> None:
         SqliteConnector.from_url(url_of(tmp_path / "x.db"), capacty="1GiB")
     with pytest.raises(ConfigError, match="max_object_size"):
         SqliteConnector.from_url(url_of(tmp_path / "x.db"), max_object_size=2_000_000_000)
+
+
+def test_a_file_that_is_not_a_database_is_refused_at_configuration(tmp_path: Path) -> None:
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"this is not sqlite" * 300)
+    with pytest.raises(ConfigError, match="not a SQLite database"):
+        SqliteConnector.from_url(url_of(path))
+    assert path.read_bytes() == b"this is not sqlite" * 300
+
+
+async def test_a_damaged_database_is_an_outage_not_a_corrupt_object(tmp_path: Path) -> None:
+    """A file with SQLite's header but nothing valid after it: every call fails as the tier
+    being unavailable (the breaker's business), never as one object's corruption, which would
+    have the store delete keys from a file it cannot read."""
+    path = tmp_path / "t.db"
+    path.write_bytes(b"SQLite format 3\x00" + b"\xff" * 8192)
+    conn = SqliteConnector.from_url(url_of(path))
+    try:
+        for call in (lambda: conn.get("k"), lambda: conn.put("k", b"v"), lambda: conn.delete("k")):
+            with pytest.raises((Unavailable, ConfigError)) as caught:
+                await call()
+            assert not isinstance(caught.value, CorruptObject)
+    finally:
+        await conn.close()
 
 
 async def test_a_foreign_database_is_refused_untouched(tmp_path: Path) -> None:
@@ -122,6 +154,24 @@ async def test_capacity_bounds_the_stored_bytes(tmp_path: Path) -> None:
         await again.close()
 
 
+async def test_a_tiers_capacity_in_a_store_config_bounds_the_database(tmp_path: Path) -> None:
+    """``capacity`` beside the tier's URL (as the README configures tiers), not only in its
+    options: the store passes it on, and no eviction policy the plugin does not take."""
+    tier = {"url": url_of(tmp_path / "t.db"), "capacity": "100KiB"}
+    config = {"tiers": [tier], "write_policy": "through", "prefault": False, "staging": "8MiB"}
+    async with Store(config) as store:
+        await store.put("a", make_bytes(60 * KiB, 1))
+        with pytest.raises(CapacityError):
+            await store.put("b", make_bytes(60 * KiB, 2))
+        got = await store.get("a")
+        assert isinstance(got, bytes)
+        assert_same_bytes(got, make_bytes(60 * KiB, 1))
+    tier["eviction"] = "lru"  # asked for: refused, since the plugin never evicts
+    with pytest.raises(ConfigError, match="eviction"):
+        async with Store({**config, "tiers": [tier]}):
+            pass
+
+
 async def test_objects_over_the_maximum_are_refused(tmp_path: Path) -> None:
     conn = SqliteConnector.from_url(url_of(tmp_path / "t.db"), max_object_size=MiB)
     try:
@@ -137,7 +187,7 @@ async def test_a_stored_size_over_the_readers_limit_is_refused(tmp_path: Path) -
     conn = SqliteConnector.from_url(url_of(tmp_path / "t.db"))
     try:
         await conn.put("k", make_bytes(2 * MiB))
-        with limiting_reads(MiB), pytest.raises(CorruptObject, match="over the"):
+        with limiting_reads(MiB), pytest.raises(OverReadLimit, match="over this reader"):
             await conn.get("k")
     finally:
         await conn.close()

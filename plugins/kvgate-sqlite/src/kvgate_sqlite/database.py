@@ -22,8 +22,8 @@ from pathlib import Path
 from gateway.errors import (
     CapacityError,
     ConfigError,
-    CorruptObject,
     GatewayError,
+    OverReadLimit,
     Timeout,
     Unavailable,
 )
@@ -59,7 +59,9 @@ def mapped(exc: sqlite3.Error, what: str) -> GatewayError:
     if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
         return Timeout(text)
     if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")):
-        return CorruptObject(text)
+        # The file's structure is damaged (or it was replaced by something else), not one
+        # object: the whole tier is out, and no key is deleted as if its object were bad.
+        return Unavailable(f"{text} (the database file is damaged or not a database)")
     return Unavailable(text)
 
 
@@ -183,7 +185,9 @@ def get(
                 return None
             rowid, size = row
             if limit is not None and size > limit:
-                raise CorruptObject(f"sqlite: {key!r} holds {size} bytes, over the {limit}")
+                raise OverReadLimit(
+                    f"sqlite: {key!r} holds {size} bytes, over this reader's limit of {limit}"
+                )
             dst = alloc(size) if alloc is not None else None
             if size == 0:
                 return dst if dst is not None else b""

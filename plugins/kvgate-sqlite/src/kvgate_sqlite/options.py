@@ -45,6 +45,10 @@ class SqliteOptions(BaseModel):
     )
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+"""The first 16 bytes of every SQLite database file."""
+
+
 def parse_url(url: str) -> Path:
     """The database file a ``sqlite:///path`` URL names (absolute, folder checked)."""
     parts = urlsplit(url)
@@ -64,7 +68,26 @@ def parse_url(url: str) -> Path:
         raise ConfigError(f"{url!r}: the folder {str(path.parent)!r} does not exist")
     if path.exists() and not path.is_file():
         raise ConfigError(f"{url!r}: {str(path)!r} exists and is not a file")
+    if not looks_like_sqlite(path):
+        raise ConfigError(f"{url!r}: {str(path)!r} is not a SQLite database; refusing to use it")
     return path
+
+
+def looks_like_sqlite(path: Path) -> bool:
+    """Whether ``path`` is absent, empty, or starts with SQLite's header string.
+
+    Checked when the tier is configured, so that a file of something else is refused at start
+    (``kvgate serve`` exits with this message) instead of failing every call later. Reading
+    16 bytes of a local file is as quick as the folder checks above.
+    """
+    try:
+        with path.open("rb") as file:
+            head = file.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        raise ConfigError(f"sqlite: cannot read {str(path)!r}: {exc.strerror}") from None
+    return not head or head == SQLITE_HEADER
 
 
 def parse_options(url: str, options: Mapping[str, Any]) -> SqliteOptions:

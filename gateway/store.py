@@ -206,6 +206,9 @@ class Store:
             options = dict(tcfg.options)
             if tcfg.capacity is not None:
                 options["capacity"] = tcfg.capacity
+            if "eviction" in tcfg.model_fields_set:  # given: the connector must take it
+                # Not passed by default: a connector that is bounded but does not evict
+                # (sqlite refuses puts when full) would refuse an option nobody wrote.
                 options["eviction"] = tcfg.eviction
             with _naming_tier(name):
                 conn = connect(tcfg.url, **options)

@@ -36,6 +36,7 @@ import pytest_asyncio
 
 from gateway.connector import Connector
 from gateway.errors import Unsupported
+from gateway.layers import Layer
 from gateway.store import Store
 from gateway.types import Buffer, Capabilities, ObjectInfo
 
@@ -558,3 +559,49 @@ class ConnectorConformance:
             await store.put(key, b"fresh")  # the key is usable again
             await store.flush()
             assert await store.get(key) == b"fresh"
+
+    async def test_store_leaves_an_object_over_its_read_limit_in_place(
+        self, connector_factory: ConnectorFactory, prefix: str
+    ) -> None:
+        """A store whose ``max_object_size`` is below a stored object's size reads it as a miss
+        and leaves it for a store that takes it (perhaps the one that wrote it): a smaller
+        limit on one reader must never delete another's data. One connector serves the three
+        stores, so a backend that keeps objects per instance (in-process ones) is tested too.
+        The object is larger than the small store's ``frame_limit`` (the read limit connectors
+        see), so both the connector's size check and the frame's are exercised."""
+        size = 3 * MiB
+        key = f"{prefix}big"
+        value = make_bytes(size, 21)
+        conn = await connector_factory()
+        try:
+            caps = conn.capabilities
+            if not caps.stores_data:
+                pytest.skip("the connector does not store data (stores_data=False)")
+            if caps.max_object_size is not None and caps.max_object_size < size + MiB:
+                pytest.skip("the connector cannot hold the object and its frame")
+            shared = _KeptOpen(conn)
+
+            def store(max_object_size: int = 64 * MiB) -> Store:
+                tier = {"url": f"{conn.scheme}://", "timeout": 30.0}
+                cfg = {"tiers": [tier], "staging": 64 * MiB, "max_object_size": max_object_size}
+                return Store(cfg, connectors={0: shared})
+
+            async with store() as writer:
+                await writer.put(key, value)
+                await writer.flush()
+            async with store(MiB) as small:
+                assert await small.get(key) is None
+            async with store() as again:
+                got = await again.get(key)
+                assert isinstance(got, bytes), "a reader with a lower limit removed the object"
+                assert_same_bytes(got, value)
+                await again.delete(key)
+        finally:
+            await conn.close()
+
+
+class _KeptOpen(Layer):
+    """A connector that stays open when a store closes it (the test closes it at the end)."""
+
+    async def close(self) -> None:
+        return None

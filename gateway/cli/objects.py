@@ -4,7 +4,8 @@ These commands are thin clients of ``kvgate serve`` (``--url``, default ``$KVGAT
 http://127.0.0.1:8080; ``--token`` or ``$KVGATE_TOKEN``). Bodies are streamed from and to files
 in 1 MiB chunks, with a progress bar on stderr for large transfers when stderr is a terminal,
 so stdout stays clean for payloads and ``--json``. Exit codes: 0 done, 1 no such object, 2 a
-usage, configuration or authentication problem, 3 the gateway is unreachable or failed.
+usage, configuration or authentication problem, or a local file that cannot be read or
+written, 3 the gateway is unreachable or failed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import stat as stat_module
 import sys
 import time
 from collections.abc import Iterator
@@ -30,6 +32,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from gateway.bearer import token_problem
+from gateway.object_meta import MAX_POSITION
+
 if TYPE_CHECKING:
     import httpx
 
@@ -39,14 +44,24 @@ PROGRESS_MIN = 16 << 20
 """Transfers below this size show no progress bar (they finish before one would help)."""
 LIST_ROUTE = "/v1/keys"
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # a message stays one line, however long
 
 Url = Annotated[str, typer.Option("--url", envvar="KVGATE_URL", help="the gateway's base URL")]
 Token = Annotated[
     str | None,
     typer.Option("--token", envvar="KVGATE_TOKEN", help="bearer token", show_default=False),
 ]
-Timeout = Annotated[float, typer.Option(help="seconds per request")]
+MAX_TIMEOUT = 7 * 24 * 3600.0
+
+
+def _check_timeout(value: float) -> float:
+    # httpx refuses NaN, infinities and negative values with tracebacks of its own.
+    if not 0 < value <= MAX_TIMEOUT:  # NaN fails this too
+        raise typer.BadParameter(f"seconds, more than 0 and at most {MAX_TIMEOUT:.0f}")
+    return value
+
+
+Timeout = Annotated[float, typer.Option(help="seconds per request", callback=_check_timeout)]
 AsJson = Annotated[bool, typer.Option("--json", help="metadata as one JSON object")]
 
 
@@ -73,15 +88,22 @@ def client(url: str, token: str | None, timeout: float) -> Iterator[httpx.Client
             "give the token with --token or KVGATE_TOKEN",
             2,
         )
+    problem = token_problem(token) if token else None
+    if problem is not None:  # the token is never shown
+        raise fail(f"--token / KVGATE_TOKEN: {problem}", 2)
     headers = {"authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(base_url=url, headers=headers, timeout=timeout) as http:
         try:
             yield http
         except httpx.TimeoutException:
             raise fail(f"{shown}: no answer within {timeout} s", 3) from None
+        except httpx.LocalProtocolError as exc:  # never sent: a header value it cannot carry
+            text = str(exc).replace(token, "***") if token else str(exc)
+            raise fail(f"{shown}: a request this client cannot send: {text}", 2) from None
         except httpx.TransportError as exc:
+            text = str(exc).replace(token, "***") if token else str(exc)
             raise fail(
-                f"{shown}: cannot reach the gateway ({type(exc).__name__}: {exc})", 3
+                f"{shown}: cannot reach the gateway ({type(exc).__name__}: {text})", 3
             ) from None
 
 
@@ -171,7 +193,11 @@ def put(
     ttl: Annotated[float | None, typer.Option(help="seconds until the object expires")] = None,
     position: Annotated[
         int | None,
-        typer.Option(min=0, help="a KV chunk's first token index (kvtc undoes RoPE with it)"),
+        typer.Option(
+            min=0,
+            max=MAX_POSITION,
+            help="a KV chunk's first token index (kvtc undoes RoPE with it)",
+        ),
     ] = None,
     url: Url = DEFAULT_URL,
     token: Token = None,
@@ -194,16 +220,7 @@ def put(
     if position is not None:
         headers["x-kvgate-position"] = str(position)
     with contextlib.ExitStack() as stack:
-        if file == "-":
-            data = sys.stdin.buffer.read()  # its length must be known before sending
-            size = len(data)
-            source: IO[bytes] = io.BytesIO(data)
-        else:
-            path = Path(file)
-            if not path.is_file():
-                raise fail(f"{file}: no such file", 2)
-            size = path.stat().st_size
-            source = stack.enter_context(path.open("rb"))
+        source, size = _opened_source(file, stack)
         headers["content-length"] = str(size)
         http = stack.enter_context(client(url, token, timeout))
         bar = stack.enter_context(progress(size, f"put {key}"))
@@ -220,6 +237,29 @@ def put(
         err.print(f"stored {key!r}: {size:,} bytes in {seconds:.3f} s", markup=False)
 
 
+def _opened_source(file: str, stack: contextlib.ExitStack) -> tuple[IO[bytes], int]:
+    """``file`` (``-``: stdin) open for reading, and its size, which the request must state
+    before sending: a regular file is streamed, anything else (a pipe, a device, a process
+    substitution) read whole first, as stdin is."""
+    try:
+        if file == "-":
+            data = sys.stdin.buffer.read()
+            return io.BytesIO(data), len(data)
+        path = Path(file)
+        if path.is_dir():
+            raise fail(f"{file}: is a directory", 2)
+        source = stack.enter_context(path.open("rb"))
+        info = os.fstat(source.fileno())
+        if stat_module.S_ISREG(info.st_mode):
+            return source, info.st_size
+        data = source.read()
+        return io.BytesIO(data), len(data)
+    except FileNotFoundError:
+        raise fail(f"{file}: no such file", 2) from None
+    except OSError as exc:
+        raise fail(f"{file}: cannot read: {exc.strerror or exc}", 2) from None
+
+
 def get(
     key: Annotated[str, typer.Argument(help="object key")],
     output: Annotated[
@@ -232,31 +272,66 @@ def get(
 ) -> None:
     """Write the object's raw bytes to FILE or stdout (metadata with --json: stdout when -o
     is given, else stderr)."""
+    to_file = output is not None and output != "-"
+    target = _checked_target(output) if to_file and output is not None else None
     with contextlib.ExitStack() as stack:
         http = stack.enter_context(client(url, token, timeout))
         response = stack.enter_context(http.stream("GET", object_path(key)))
         check(response, url, key)
         info = metadata(response, key)
-        target = Path(output) if output is not None else None
-        partial = target.with_name(f".{target.name}.part") if target is not None else None
-        sink = partial.open("wb") if partial is not None else sys.stdout.buffer
-        try:
-            bar = stack.enter_context(progress(info["size"], f"get {key}"))
-            task = bar.add_task("get", total=info["size"])
-            for chunk in response.iter_bytes(CHUNK):
+        bar = stack.enter_context(progress(info["size"], f"get {key}"))
+        task = bar.add_task("get", total=info["size"])
+        chunks = response.iter_bytes(CHUNK)
+        if target is None:
+            _to_stdout(chunks, bar, task)
+        else:
+            _to_file(target, chunks, bar, task)
+    if as_json:
+        print(json.dumps(info), file=sys.stdout if to_file else sys.stderr)
+
+
+def _checked_target(output: str) -> Path:
+    """The file ``-o`` names, refused before anything is downloaded when it cannot be one."""
+    target = Path(output)
+    if target.is_dir():
+        raise fail(f"{output}: is a directory; name the file to write", 2)
+    if not target.parent.is_dir():
+        raise fail(f"{output}: the folder {str(target.parent)!r} does not exist", 2)
+    return target
+
+
+def _to_file(target: Path, chunks: Iterator[bytes], bar: Progress, task: Any) -> None:
+    """Write ``chunks`` beside ``target`` and rename over it: a reader never sees a
+    half-written file, and a failure leaves neither a partial file nor a changed target."""
+    partial = target.with_name(f".{target.name}.part")
+    try:
+        with partial.open("wb") as sink:
+            for chunk in chunks:
                 sink.write(chunk)
                 bar.advance(task, len(chunk))
-            sink.flush()
-        except BaseException:
-            if partial is not None:
-                sink.close()
-                partial.unlink(missing_ok=True)
-            raise
-        if partial is not None and target is not None:
-            sink.close()
-            os.replace(partial, target)  # a reader never sees a half-written file
-    if as_json:
-        print(json.dumps(info), file=sys.stdout if output is not None else sys.stderr)
+        os.replace(partial, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise fail(f"{target}: cannot write: {exc.strerror or exc}", 2) from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
+
+
+def _to_stdout(chunks: Iterator[bytes], bar: Progress, task: Any) -> None:
+    sink = sys.stdout.buffer
+    try:
+        for chunk in chunks:
+            sink.write(chunk)
+            bar.advance(task, len(chunk))
+        sink.flush()
+    except BrokenPipeError:  # the reader stopped reading (``| head``): not an error here
+        # Python would report the failed flush of stdout again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError as exc:
+        raise fail(f"stdout: cannot write: {exc.strerror or exc}", 2) from None
 
 
 def stat(
@@ -282,7 +357,7 @@ def stat(
 
 def ls(
     prefix: Annotated[str, typer.Argument(help="list keys starting with this")] = "",
-    limit: Annotated[int, typer.Option(help="at most this many keys")] = 1000,
+    limit: Annotated[int, typer.Option(min=1, help="at most this many keys")] = 1000,
     url: Url = DEFAULT_URL,
     token: Token = None,
     timeout: Timeout = 30.0,

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from gateway.bearer import token_problem
 from gateway.config import parse_size
 
 err = Console(stderr=True, soft_wrap=True)  # a message stays one line, however long
@@ -92,6 +93,10 @@ def serve(
 ) -> None:
     """Serve a Store over HTTP (object API, batch, lookup, tiers, metrics) and optionally lm://."""
     token = token or None  # an empty $KVGATE_TOKEN is no token
+    problem = token_problem(token) if token is not None else None
+    if problem is not None:  # no client could send it; the token itself is not shown
+        err.print(f"kvgate serve: --token / $KVGATE_TOKEN: {problem}")
+        raise typer.Exit(2)
     if not token and not _is_loopback(host):
         # Without authentication a non-loopback bind would expose the cache to the network.
         err.print(

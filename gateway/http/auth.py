@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from gateway.bearer import token_problem
 from gateway.errors import GatewayError
 
 bearer = HTTPBearer(auto_error=False, description="the token kvgate serve was started with")
@@ -34,6 +35,9 @@ def token_guard(token: str) -> Callable[..., Awaitable[None]]:
     """A FastAPI dependency that refuses a request without ``Authorization: Bearer <token>``."""
     if not token:
         raise ValueError("an empty token would let everyone in")
+    problem = token_problem(token)
+    if problem is not None:
+        raise ValueError(problem)
     expected = _bytes(token)
 
     async def require_token(

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,3 +159,90 @@ def test_a_url_without_a_scheme_is_refused_and_its_password_not_printed(
     assert "http://" in err
     assert "S3CRET-PW" not in err
     assert b"S3CRET-PW" not in out
+
+
+def test_get_to_a_path_it_cannot_write_is_one_line_and_leaves_no_file(
+    kvgate: CliRunner, tmp_path: Path
+) -> None:
+    assert run(kvgate, "put", "cli/out", "-", stdin=b"x" * 100_000)[0] == 0
+    folder = tmp_path / "existing-folder"
+    folder.mkdir()
+    targets = {
+        str(folder): "is a directory",
+        str(tmp_path / "missing" / "x.bin"): "does not exist",
+        "/proc/kvgate-test-output": "cannot write",
+    }
+    for target, why in targets.items():
+        code, _, err = run(kvgate, "get", "cli/out", "-o", target)
+        assert code == 2, (target, err)
+        assert why in err
+        assert len(err.strip().splitlines()) == 1, err  # a message, not a traceback
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["existing-folder"]  # no .part left
+
+
+def test_get_o_dash_writes_stdout(kvgate: CliRunner, tmp_path: Path) -> None:
+    assert run(kvgate, "put", "cli/dash", "-", stdin=b"to stdout")[0] == 0
+    code, out, _ = run(kvgate, "get", "cli/dash", "-o", "-")
+    assert (code, out) == (0, b"to stdout")
+
+
+@pytest.mark.parametrize("token", ["my\nsecret-S3CRET", "secret-S3CRET-ü", "secret S3CRET"])
+def test_a_token_no_header_can_carry_is_refused_unshown(kvgate: CliRunner, token: str) -> None:
+    code, out, err = run(kvgate, "stat", "k", "--token", token)
+    assert code == 2
+    assert "visible ASCII" in err
+    assert "S3CRET" not in err
+    assert b"S3CRET" not in out
+
+
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan", "inf", "1e400"])
+def test_a_timeout_out_of_range_is_a_usage_error(kvgate: CliRunner, timeout: str) -> None:
+    code, _, err = run(kvgate, "stat", "k", "--timeout", timeout)
+    assert code == 2
+    assert "--timeout" in err
+
+
+def test_put_reads_files_that_are_not_regular_and_refuses_folders(
+    kvgate: CliRunner, tmp_path: Path
+) -> None:
+    code, _, err = run(kvgate, "put", "cli/null", "/dev/null")
+    assert code == 0, err
+    assert run(kvgate, "get", "cli/null")[:2] == (0, b"")
+    code, _, err = run(kvgate, "put", "cli/folder", str(tmp_path))
+    assert code == 2
+    assert "is a directory" in err
+    code, _, err = run(kvgate, "put", "cli/missing", str(tmp_path / "missing.bin"))
+    assert code == 2
+    assert "no such file" in err
+
+
+def test_ls_limit_below_one_is_a_usage_error(kvgate: CliRunner) -> None:
+    assert run(kvgate, "ls", "--limit", "0")[0] == 2
+
+
+def test_get_to_a_full_stdout_or_a_closed_pipe(server: GatewayServer) -> None:
+    """As a shell runs it: ``> /dev/full`` is one line and exit 2; ``| head -c 10`` (the
+    reader closes the pipe) ends quietly, without Python's broken-pipe traceback."""
+    binary = shutil.which("kvgate", path=str(Path(sys.executable).parent))
+    assert binary is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    base = [binary]
+    url = ["--url", server.http_url]
+    put = subprocess.run(
+        [*base, "put", "cli/pipe", "-", *url], input=b"z" * (4 << 20), env=env, check=False
+    )
+    assert put.returncode == 0
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(
+            [*base, "get", "cli/pipe", *url], stdout=full, stderr=subprocess.PIPE, env=env
+        )
+    assert done.returncode == 2
+    assert done.stderr.decode().strip().splitlines() == [
+        "stdout: cannot write: No space left on device"
+    ]
+    shell = f"{shlex.join([*base, 'get', 'cli/pipe', *url])} | head -c 10 > /dev/null"
+    piped = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", shell], stderr=subprocess.PIPE, env=env, timeout=60
+    )
+    assert piped.stderr == b""
+    assert piped.returncode == 0

@@ -205,3 +205,16 @@ def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
         assert proc.poll() is None, log.read_text()
         assert time.monotonic() < deadline, "kvgate serve did not become ready"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("token", ["line\nbreak-S3CRET", "S3CRET-naïve", "two S3CRET"])
+def test_a_token_no_client_could_send_is_refused_unshown(
+    token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVGATE_TOKEN", raising=False)
+    result = CliRunner().invoke(cli_app, ["serve", "--port", "1", "--token", token])
+    assert result.exit_code == 2
+    assert "visible ASCII" in result.output
+    assert "S3CRET" not in result.output
+    with pytest.raises(ValueError, match="visible ASCII"):
+        create_app({"tiers": [{"url": "memory://"}]}, token=token)

@@ -324,11 +324,13 @@ class TierWriter:
             why = repr(exc)
         if left:
             log.warning(
-                "tier %s: %d keys it may hold older versions of (a write or delete of them "
-                "failed or was skipped) were not deleted at close (%s); a store opened on this "
+                "tier %s: %d %s it may hold older versions of (a write or delete of them "
+                "failed or was skipped) %s not deleted at close (%s); a store opened on this "
                 "tier later may serve those versions",
                 self.tier.name,
                 left,
+                "key" if left == 1 else "keys",
+                "was" if left == 1 else "were",
                 why,
             )
 

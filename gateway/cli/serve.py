@@ -163,7 +163,8 @@ def serve(
     auth = "bearer token required" if token else "no authentication (loopback only)"
     lm = f", lm://{lm_host}:{lm_port} (no authentication)" if lm_port is not None else ""
     typer.echo(
-        err=True, message=f"kvgate serving on http://{host}:{port}{lm}; {auth}; tiers: {tiers}"
+        err=True,
+        message=f"kvgate serve starting on http://{host}:{port}{lm}; {auth}; tiers: {tiers}",
     )
     application = create_app(
         cfg,

@@ -17,8 +17,9 @@ writes their pages into the blocks vLLM allocated (``pages.scatter``); after it,
 pages of every chunk that just filled (``pages.gather``) and hands the copies to the store
 without waiting (both in ``worker.PagedWorker``). A chunk that cannot be loaded (a miss, a
 corrupted object, a layout that does not match) is reported through
-``get_block_ids_with_load_errors``, and vLLM recomputes those blocks: a failure costs time,
-never correctness.
+``get_block_ids_with_load_errors``, and vLLM recomputes those blocks (the connector sets
+``kv_load_failure_policy`` to ``recompute``: vLLM's default would fail the request): a failure
+costs time, never correctness.
 
 Keys are kvgate ``Key``s (LMCache's key string): the model, the tensor-parallel size and rank,
 the chunk's prefix hash, the cache dtype, and tags for the cache layout and the chunk size, so
@@ -82,7 +83,12 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
         self._lookup: SocketLookup | None = None
         self._bridge: StoreThread | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._lookup = SocketLookup(self.socket, self.settings.timeout)
+            # vLLM's default answer to blocks a connector reports unloaded is to fail the
+            # request ("fail", for transfers that have no other copy); for a cache the
+            # answer is to compute them, as without kvgate. The scheduler reads the policy
+            # after creating its connector, from this same config object.
+            transfer.kv_load_failure_policy = "recompute"
+            self._lookup = SocketLookup(self.socket, self.settings.lookup_timeout)
             self._planner = Planner(
                 self.settings.chunk_size, self.block_size, self.settings.seed, self._lookup
             )
@@ -111,7 +117,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
 
         async def on_loop(store: Store) -> None:
             if rank == 0:  # the scheduler asks rank 0
-                await serve_lookups(store, self.socket, self.worker.key)
+                await serve_lookups(store, self.socket, self.worker.key, settings.lookup_timeout)
 
         bridge = StoreThread(
             make_store,

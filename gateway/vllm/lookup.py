@@ -6,8 +6,16 @@ crosses a process; with a gateway its Store has the gateway as its tier) and kno
 cache's layout, which is part of every key. So the scheduler asks the worker: the worker
 serves lookups on a unix socket in the temp directory named after the engine
 (``socket_path``), one JSON line per question (``{"hashes": [...]}``, the chunk hashes, leading
-first -> ``{"prefix": n}``), and turns hashes into its keys itself. A failure, a timeout or an
+first -> ``{"prefix": n}``, with ``"slow": true`` when the store took over the deadline), and
+turns hashes into its keys itself. A failure, a timeout or an
 answer that does not parse is 0 chunks: vLLM then computes them, which is slower, never wrong.
+
+vLLM asks from its scheduler, which waits for the answer, and with it every request of the
+engine. So the question has its own short deadline (``lookup_timeout``), which the worker keeps
+too, and after a lookup that timed out the scheduler answers 0 without asking for
+``LOOKUP_BACKOFF`` seconds: a hung store or gateway costs the engine one deadline every so
+often rather than one per new request (measured with a stopped gateway: 30 s per new prompt,
+for every request scheduled beside it, until the tier's breaker opened ~2.5 minutes later).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import os
 import socket
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +40,7 @@ log = logging.getLogger("kvgate.vllm")
 
 MAX_LINE = 1 << 20  # bytes of one question
 MAX_CHUNKS = 4096  # chunks of one question (a 1M-token prompt in 256-token chunks)
+LOOKUP_BACKOFF = 10.0  # seconds of lookups answered 0 without asking, after one timed out
 
 
 def socket_path(engine_id: str) -> str:
@@ -40,9 +50,12 @@ def socket_path(engine_id: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"kvgate-vllm-{digest}.sock")
 
 
-async def serve_lookups(store: Store, path: str, key_of: Callable[[int], str]) -> None:
+async def serve_lookups(
+    store: Store, path: str, key_of: Callable[[int], str], lookup_timeout: float
+) -> None:
     """Answer lookups on ``path`` until cancelled (the socket is the user's alone);
-    ``key_of`` turns a chunk hash into this worker's key."""
+    ``key_of`` turns a chunk hash into this worker's key; a lookup that takes over
+    ``lookup_timeout`` seconds is answered 0 (the scheduler has stopped waiting for it)."""
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISSOCK(os.lstat(path).st_mode):  # left by a worker that died
             os.unlink(path)
@@ -55,13 +68,17 @@ async def serve_lookups(store: Store, path: str, key_of: Callable[[int], str]) -
         try:
             while line := await reader.readline():
                 hashes = _hashes_of(line)
-                prefix = 0
+                answer: dict[str, Any] = {"prefix": 0}
                 if hashes is not None:
                     try:
-                        prefix = await verified_prefix(store, [key_of(h) for h in hashes])
+                        async with asyncio.timeout(lookup_timeout):
+                            found = await verified_prefix(store, [key_of(h) for h in hashes])
+                        answer["prefix"] = found
+                    except TimeoutError:  # the scheduler backs off, as after its own timeout
+                        answer["slow"] = True
                     except Exception as exc:  # a miss for the scheduler, a line for the operator
                         log.debug("kvgate lookup failed: %s", exc)
-                writer.write(json.dumps({"prefix": prefix}).encode() + b"\n")
+                writer.write(json.dumps(answer).encode() + b"\n")
                 await writer.drain()
         except (ValueError, ConnectionError):  # a line over MAX_LINE, or the peer went away
             pass
@@ -115,23 +132,41 @@ class SocketLookup:
     """The scheduler's side of ``serve_lookups``: one connection, opened when first needed
     and again after a failure."""
 
-    def __init__(self, path: str, timeout: float) -> None:
+    def __init__(self, path: str, timeout: float, backoff: float = LOOKUP_BACKOFF) -> None:
         self.path = path
         self.timeout = timeout
+        self.backoff = backoff
         self._sock: socket.socket | None = None
         self._buffered = b""
         self._lines = RepeatLimiter()
+        self._quiet_until = 0.0  # time.monotonic() before which lookups are 0 unasked
 
     def __call__(self, hashes: Sequence[int]) -> int:
-        if not hashes:
+        if not hashes or time.monotonic() < self._quiet_until:
             return 0
         try:
             return self._ask(list(hashes))
+        except TimeoutError:
+            self.close()
+            return self._slow()
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self.close()
             if self._lines.admit("lookup") is not None:
                 log.warning("kvgate: no lookup answer from the worker (%s): a miss", exc)
             return 0
+
+    def _slow(self) -> int:
+        """A lookup that took over the deadline (here or at the worker): a miss, and no
+        lookups for ``backoff`` seconds."""
+        self._quiet_until = time.monotonic() + self.backoff
+        if self._lines.admit("slow") is not None:
+            log.warning(
+                "kvgate: no lookup answer within %g s (the store or gateway is slow or "
+                "down): a miss, and lookups are misses for the next %g s",
+                self.timeout,
+                self.backoff,
+            )
+        return 0
 
     def _ask(self, hashes: list[int]) -> int:
         if self._sock is None:
@@ -152,7 +187,10 @@ class SocketLookup:
             if len(self._buffered) > MAX_LINE:
                 raise ValueError("a lookup answer too long")
         line, self._buffered = self._buffered.split(b"\n", 1)
-        prefix = json.loads(line)["prefix"]
+        answer = json.loads(line)
+        if answer.get("slow") is True:
+            return self._slow()
+        prefix = answer["prefix"]
         if not isinstance(prefix, int) or not 0 <= prefix <= len(hashes):
             raise ValueError(f"a lookup answer out of range: {prefix!r}")
         return prefix

@@ -119,13 +119,7 @@ class Planner:
             if tracked is None:
                 continue
             tracked.block_ids = list(req.block_ids)
-            if tracked.load:
-                blocks = tracked.block_ids
-                loads[req.req_id] = [
-                    ChunkMove(m.index, m.chunk_hash, self._chunk_blocks(blocks, m.index), m.skip)
-                    for m in tracked.load
-                ]
-                tracked.load = []
+            self._loads(req.req_id, tracked, loads)
             self._saves(req.req_id, tracked, req.computed_after, saves)
         for run in running:
             tracked = self._requests.get(run.req_id)
@@ -135,8 +129,23 @@ class Planner:
                 tracked.block_ids = list(run.new_block_ids or ())
             elif run.new_block_ids:
                 tracked.block_ids.extend(run.new_block_ids)
+            # A preempted request starts over from its prefix: vLLM asked for its matched
+            # tokens again, and the chunks it planned go into its new blocks in this step.
+            # (Without this vLLM counted them as loaded and computed on blocks never written.)
+            self._loads(run.req_id, tracked, loads)
             self._saves(run.req_id, tracked, run.computed_after, saves)
         return loads, saves
+
+    def _loads(self, req_id: str, tracked: _Tracked, loads: dict[str, list[ChunkMove]]) -> None:
+        """The planned loads of a request whose block list is known, then forgotten."""
+        if not tracked.load:
+            return
+        blocks = tracked.block_ids
+        loads[req_id] = [
+            ChunkMove(m.index, m.chunk_hash, self._chunk_blocks(blocks, m.index), m.skip)
+            for m in tracked.load
+        ]
+        tracked.load = []
 
     def _saves(
         self, req_id: str, tracked: _Tracked, computed_after: int, saves: dict[str, list[ChunkMove]]

@@ -21,6 +21,7 @@ DEFAULT_CHUNK_SIZE = 256
 DEFAULT_SEED = "0"
 DEFAULT_MAX_PENDING_SAVES = 64
 DEFAULT_TIMEOUT = 30.0
+DEFAULT_LOOKUP_TIMEOUT = 5.0
 DEFAULT_LOCAL_MEMORY = "1GiB"
 
 KNOWN = (
@@ -32,6 +33,7 @@ KNOWN = (
     "model_id",
     "max_pending_saves",
     "timeout",
+    "lookup_timeout",
     "local_memory",
 )
 
@@ -43,7 +45,10 @@ class VllmSettings:
     ``seed``: the chunk hash chain's seed, the same in every process sharing the cache.
     ``model_id``: the model's name in keys (default: vLLM's served model name).
     ``max_pending_saves``: chunks copied out and not yet stored, past which a save is skipped
-    (and counted). ``timeout``: seconds a load or a lookup may take. ``local_memory``: with
+    (and counted). ``timeout``: seconds a load may take. ``lookup_timeout``: seconds the
+    scheduler waits for a lookup, during which vLLM's whole engine waits (a lookup that takes
+    longer is a miss, and lookups are misses without asking for a while after it, see
+    ``lookup.SocketLookup``). ``local_memory``: with
     ``url``, the worker's own memory tier in front of the gateway (chunks a lookup verified
     wait there for their load)."""
 
@@ -55,6 +60,7 @@ class VllmSettings:
     model_id: str | None = None
     max_pending_saves: int = DEFAULT_MAX_PENDING_SAVES
     timeout: float = DEFAULT_TIMEOUT
+    lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT
     local_memory: str | int = DEFAULT_LOCAL_MEMORY
 
     def __repr__(self) -> str:  # the token never shows
@@ -63,7 +69,7 @@ class VllmSettings:
             f"VllmSettings(config={self.config!r}, url={self.url!r}, token={shown}, "
             f"chunk_size={self.chunk_size}, seed={self.seed!r}, model_id={self.model_id!r}, "
             f"max_pending_saves={self.max_pending_saves}, timeout={self.timeout}, "
-            f"local_memory={self.local_memory!r})"
+            f"lookup_timeout={self.lookup_timeout}, local_memory={self.local_memory!r})"
         )
 
     @classmethod
@@ -98,6 +104,7 @@ class VllmSettings:
             model_id=extra.get("model_id"),
             max_pending_saves=_positive_int(extra, "max_pending_saves", DEFAULT_MAX_PENDING_SAVES),
             timeout=_positive_float(extra, "timeout", DEFAULT_TIMEOUT),
+            lookup_timeout=_positive_float(extra, "lookup_timeout", DEFAULT_LOOKUP_TIMEOUT),
             local_memory=extra.get("local_memory", DEFAULT_LOCAL_MEMORY),
         )
         if settings.model_id is not None and not isinstance(settings.model_id, str):

@@ -115,3 +115,32 @@ def test_the_seed_changes_every_key() -> None:
 def test_chunk_size_must_be_whole_blocks() -> None:
     with pytest.raises(ValueError, match="multiple"):
         Planner(200, BLOCK, "0", Lookups(0))
+
+
+def test_a_preempted_request_loads_what_it_saved_into_its_new_blocks() -> None:
+    """vLLM preempts a request (its blocks freed, its computed tokens back to 0), asks the
+    connector again how many tokens it can load, and reschedules it as a resumed running
+    request: the chunks it saved during its prefill are loaded into its new blocks in that
+    step. vLLM counts the tokens the connector matched as loaded, so a load left unsent
+    means attention over blocks nobody wrote (wrong text, no error)."""
+    plan, lookups = planner()
+    prompt = list(range(800))
+    tokens = list(prompt)
+    assert plan.matched_tokens("r", prompt, lambda: tokens, 0) == 0
+    plan.allocated("r", 0)
+    _, saves = plan.step([NewRequest("r", list(range(10, 17)), 800)], [])
+    assert [m.index for m in saves["r"]] == [0, 1, 2]
+    lookups.held = 3  # the store now holds the three chunks it saved
+    tokens += [1, 2, 3]
+    assert plan.matched_tokens("r", prompt, lambda: tokens, 0) == 3 * CHUNK
+    plan.allocated("r", 3 * CHUNK)
+    new_blocks = list(range(40, 47))
+    loads, saves = plan.step([], [RunningRequest("r", new_blocks, True, 3 * CHUNK + 35)])
+    assert [(m.index, m.block_ids, m.skip) for m in loads["r"]] == [
+        (0, (40, 41), 0),
+        (1, (42, 43), 0),
+        (2, (44, 45), 0),
+    ]
+    assert "r" not in saves  # saved already: not again
+    loads, _ = plan.step([], [RunningRequest("r", None, False, 3 * CHUNK + 36)])
+    assert loads == {}  # sent once

@@ -13,6 +13,8 @@ from gateway.vllm.settings import VllmSettings
 def test_defaults_and_a_gateway() -> None:
     plain = VllmSettings.from_extra({})
     assert (plain.config, plain.url, plain.chunk_size, plain.seed) == (None, None, 256, "0")
+    assert (plain.timeout, plain.lookup_timeout) == (30.0, 5.0)
+    assert VllmSettings.from_extra({"lookup_timeout": 0.5}).lookup_timeout == 0.5
     remote = VllmSettings.from_extra({"kvgate_url": "gateway://h:1", "token": "s3cr3t"})
     assert remote.url == "gateway://h:1"
     assert "s3cr3t" not in repr(remote)
@@ -30,6 +32,7 @@ def test_defaults_and_a_gateway() -> None:
         ({"chunk_size": True}, "positive integer"),
         ({"timeout": float("nan")}, "positive number"),
         ({"timeout": float("inf")}, "finite"),
+        ({"lookup_timeout": 0}, "positive number"),
         ({"max_pending_saves": -1}, "positive integer"),
         ({"local_memory": "1GiB"}, "only with kvgate_url"),
         ({"model_id": 7}, "model_id"),

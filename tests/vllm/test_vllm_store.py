@@ -91,7 +91,7 @@ def disk_store(tmp_path: Path) -> Any:
         lambda: Store(cfg),
         max_pending=8,
         timeout=10.0,
-        on_loop=lambda store: serve_lookups(store, path, key_of),
+        on_loop=lambda store: serve_lookups(store, path, key_of, 10.0),
     )
     bridge.start()
     yield bridge, path
@@ -140,3 +140,53 @@ def test_no_worker_is_a_miss_not_an_error(tmp_path: Path) -> None:
     lookup = SocketLookup(str(tmp_path / "nobody.sock"), timeout=1.0)
     assert lookup([1, 2]) == 0
     lookup.close()
+
+
+def test_a_stalled_store_costs_the_scheduler_one_deadline_then_a_quiet_spell(
+    tmp_path: Path,
+) -> None:
+    """The scheduler waits for a lookup with vLLM's whole engine: a store that does not answer
+    costs one ``lookup_timeout``, then lookups are misses at once until the backoff has
+    passed; the worker drops a lookup past its own deadline (answers 0) too."""
+    stalled = threading.Event()
+    asked: list[int] = []
+
+    class Stalling(Store):
+        async def lookup(self, keys: Any, *args: Any, **kwargs: Any) -> int:
+            asked.append(len(keys))
+            if stalled.is_set():
+                await asyncio.sleep(30)
+            return int(await super().lookup(keys, *args, **kwargs))
+
+    cfg = {"tiers": [{"url": "memory://", "capacity": 8 * MiB}], "prefault": False}
+    path = socket_path(f"test-{tmp_path.name}")
+    bridge = StoreThread(
+        lambda: Stalling(cfg),
+        max_pending=8,
+        timeout=10.0,
+        on_loop=lambda store: serve_lookups(store, path, key_of, 0.5),
+    )
+    bridge.start()
+    scheduler = SocketLookup(path, timeout=1.0, backoff=1.5)
+    worker_bound = SocketLookup(path, timeout=5.0)
+    try:
+        bridge.call(lambda store: store.put(key_of(1), b"x" * 4096, durable=True))
+        assert scheduler([1]) == 1
+        stalled.set()
+        start = time.monotonic()
+        assert worker_bound([1]) == 0  # the worker's deadline (0.5 s), not the store's
+        assert time.monotonic() - start < 3.0
+        start = time.monotonic()
+        assert scheduler([1]) == 0  # one deadline (1 s) ...
+        reached = len(asked)
+        assert scheduler([1]) == 0  # ... then misses without asking
+        assert scheduler([1]) == 0
+        assert time.monotonic() - start < 3.0
+        assert len(asked) == reached
+        stalled.clear()
+        time.sleep(1.6)
+        assert scheduler([1]) == 1  # asked again after the backoff
+    finally:
+        scheduler.close()
+        worker_bound.close()
+        bridge.close()

@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from gateway.store import Store
 from gateway.vllm.bridge import StoreThread
-from gateway.vllm.lookup import SocketLookup, serve_lookups, socket_path
+from gateway.vllm.lookup import SocketLookup, claim_socket, serve_lookups, socket_path
 from gateway.vllm.plan import ChunkMove, NewRequest, Planner, RunningRequest
 from gateway.vllm.settings import VllmSettings
 from gateway.vllm.worker import PagedWorker
@@ -114,6 +114,9 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
                 memory = {"url": "memory://", "capacity": settings.local_memory}
                 return Store({"tiers": [memory, tier], "prefault": False})
             return Store(settings.config)
+
+        if rank == 0:
+            claim_socket(self.socket, str(vllm_config.kv_transfer_config.engine_id))
 
         async def on_loop(store: Store) -> None:
             if rank == 0:  # the scheduler asks rank 0

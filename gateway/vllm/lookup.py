@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gateway.errors import ConfigError
 from gateway.log_limit import RepeatLimiter
 from gateway.store import Store
 
@@ -48,6 +49,35 @@ def socket_path(engine_id: str) -> str:
     enough for any platform's limit)."""
     digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"kvgate-vllm-{digest}.sock")
+
+
+def claim_socket(path: str, engine_id: str) -> None:
+    """Make sure no live worker answers on ``path``; remove one left by a worker that died.
+
+    ``ConfigError`` when another engine's worker answers there: two engines with the same
+    ``engine_id`` on one host would answer each other's lookups (and load chunks their own
+    store does not hold). Called before the worker starts serving, so vLLM fails at start.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"kvgate: {path} exists and is not a socket; remove it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:  # nobody listens: left by a worker that died
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise ConfigError(
+        f"kvgate: another vLLM engine on this host already serves lookups as engine_id "
+        f"{engine_id!r} ({path}); give each engine its own engine_id"
+    )
 
 
 async def serve_lookups(

@@ -4,6 +4,8 @@ scheduler sends it over a unix socket (``gateway.vllm.lookup``), with real Store
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -12,9 +14,10 @@ from typing import Any
 import pytest
 from servers.gated import Gated
 
+from gateway.errors import ConfigError
 from gateway.store import Store
 from gateway.vllm.bridge import StoreThread
-from gateway.vllm.lookup import SocketLookup, serve_lookups, socket_path
+from gateway.vllm.lookup import SocketLookup, claim_socket, serve_lookups, socket_path
 
 MiB = 1 << 20
 
@@ -190,3 +193,22 @@ def test_a_stalled_store_costs_the_scheduler_one_deadline_then_a_quiet_spell(
         scheduler.close()
         worker_bound.close()
         bridge.close()
+
+
+def test_a_second_engine_with_the_same_engine_id_is_refused(disk_store: Any) -> None:
+    """Its lookups would be answered by the first engine's store."""
+    _, path = disk_store
+    deadline = time.monotonic() + 10.0
+    while not os.path.exists(path) and time.monotonic() < deadline:  # serving starts async
+        time.sleep(0.01)
+    with pytest.raises(ConfigError, match="already serves lookups"):
+        claim_socket(path, "engine-a")
+
+
+def test_a_socket_left_by_a_dead_worker_is_removed(tmp_path: Path) -> None:
+    path = str(tmp_path / "dead.sock")
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(path)  # bound, never listening: as after a worker killed
+    left.close()
+    claim_socket(path, "engine-a")
+    assert not os.path.exists(path)

@@ -10,7 +10,9 @@ counts and text, never times.
   with the same prompt loads at least 90% of it from kvgate and generates the same greedy text;
 - with every stored chunk corrupted on disk, a new process recomputes (kvgate's checksums
   turn the chunks into misses at lookup) and still generates the same text;
-- the same through a running gateway (``kvgate serve``) whose disk tier compresses with zstd.
+- the same through a running gateway (``kvgate serve``) whose disk tier compresses with zstd;
+- a batch in a KV cache too small for it, so that vLLM preempts a request and resumes it: the
+  chunks it saved are loaded into its new blocks, and every text is the text without kvgate.
 """
 
 from __future__ import annotations
@@ -56,16 +58,21 @@ def prompt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def generate(prompt: Path, extra: dict[str, Any], work: Path) -> dict[str, Any]:
     """One vLLM process, one greedy request: what it reported."""
+    result: dict[str, Any] = run_generate(["--prompt", str(prompt)], extra, work)["requests"][0]
+    return result
+
+
+def run_generate(args: list[str], extra: dict[str, Any] | None, work: Path) -> dict[str, Any]:
+    """One vLLM process (``generate.py ARGS``, with kvgate's connector unless ``extra`` is
+    None): its whole result."""
     venv = vllm_venv()
     command = [
         str(venv / "bin" / "python"),
         str(GENERATE),
         "--model",
         str(venv / "models" / "smollm2"),
-        "--prompt",
-        str(prompt),
-        "--kvgate-extra",
-        json.dumps(extra),
+        *args,
+        *(["--kvgate-extra", json.dumps(extra)] if extra is not None else []),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "VLLM_"))}
     env["PYTHONPATH"] = str(ROOT)  # this checkout's kvgate, whatever the venv was made from
@@ -75,7 +82,7 @@ def generate(prompt: Path, extra: dict[str, Any], work: Path) -> dict[str, Any]:
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0, f"vLLM exited {done.returncode}:\n{done.stderr[-4000:]}"
     assert lines, f"vLLM printed no result:\n{done.stderr[-4000:]}"
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))["requests"][0]
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
     return result
 
 
@@ -156,3 +163,28 @@ def test_through_a_gateway_with_a_lossless_codec(
     loaded = generate(prompt, extra, tmp_path)
     assert loaded["cached_tokens"] >= 0.9 * loaded["prompt_tokens"]
     assert loaded["text"] == computed["text"]
+
+
+def test_a_preempted_request_resumes_from_its_chunks_with_the_same_text(tmp_path: Path) -> None:
+    """Three prompts (~800, ~600, ~600 tokens) of 200 greedy tokens each in 18 blocks of 128
+    tokens: vLLM preempts one, and when it resumes asks the connector again, which loads the
+    chunks that request saved during its prefill. The texts must be those of the same run
+    without kvgate (a load planned and never sent made vLLM compute over blocks nobody wrote:
+    a different text, no error)."""
+    text = PROMPT_SOURCE.read_text()
+    prompts = []
+    for i, (start, end) in enumerate(((0, 3500), (4000, 6600), (7000, 9600))):
+        path = tmp_path / f"p{i}.txt"
+        path.write_text(text[start:end])  # the model goes on with the text: 200 tokens
+        prompts += ["--prompt", str(path)]
+    args = [*prompts, "--max-tokens", "200", "--num-gpu-blocks", "18"]
+    memory = {"kvgate_config": {"tiers": [{"url": "memory://", "capacity": "512MiB"}]}}
+    without = run_generate(args, None, tmp_path)
+    with_kvgate = run_generate(args, memory, tmp_path)
+    assert with_kvgate["vllm"]["preemptions"], "vLLM preempted nothing: the test tests nothing"
+    # A fresh store holds nothing but what this run saved: tokens it provided were loaded for
+    # a resumed request.
+    assert with_kvgate["vllm"]["external_hits"], "no chunk was loaded for the resumed request"
+    texts = [r["text"] for r in with_kvgate["requests"]]
+    assert texts == [r["text"] for r in without["requests"]]
+    assert all(t.strip() for t in texts)

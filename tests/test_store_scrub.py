@@ -85,7 +85,7 @@ async def test_a_tier_still_down_at_close_is_logged_not_waited_for(
     )
     with caplog.at_level(logging.WARNING, logger="kvgate.jobs"):
         await store.close()
-    assert any("1 keys it may hold older versions of" in r.message for r in caplog.records)
+    assert any("1 key it may hold older versions of" in r.message for r in caplog.records)
 
 
 class _ShortExists(ChaosLayer):
@@ -104,4 +104,4 @@ async def test_a_short_existence_answer_is_logged_not_raised(
     remote.down = False
     with caplog.at_level(logging.WARNING, logger="kvgate.jobs"):
         await store.close()
-    assert any("1 keys it may hold older versions of" in r.message for r in caplog.records)
+    assert any("1 key it may hold older versions of" in r.message for r in caplog.records)

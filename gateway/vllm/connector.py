@@ -74,6 +74,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
         transfer = vllm_config.kv_transfer_config
         self.settings = VllmSettings.from_extra(transfer.kv_connector_extra_config)
         self.block_size: int = vllm_config.cache_config.block_size
@@ -240,6 +241,23 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
         assert self._planner is not None
         self._planner.finished(request.request_id)
         return False, None  # saves copy the pages out before the step ends: blocks are free
+
+
+def _log_through_vllm() -> None:
+    """kvgate's log lines (the connector's, the store's) in vLLM's log, at vLLM's level.
+
+    vLLM configures its own ``vllm`` logger, not the root one, so in its processes kvgate's
+    INFO lines went nowhere and its warnings out bare through Python's last-resort handler.
+    Left alone where the application configured logging itself (a handler on the root or on
+    ``kvgate``).
+    """
+    ours, theirs = logging.getLogger("kvgate"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _tensor_parallel_rank() -> int:

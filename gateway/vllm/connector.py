@@ -28,6 +28,7 @@ a chunk is only ever loaded into a cache laid out as the one it came from.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ from gateway.store import Store
 from gateway.vllm.bridge import StoreThread
 from gateway.vllm.lookup import SocketLookup, claim_socket, serve_lookups, socket_path
 from gateway.vllm.plan import ChunkMove, NewRequest, Planner, RunningRequest
+from gateway.vllm.reachable import say_if_unreachable
 from gateway.vllm.settings import VllmSettings
 from gateway.vllm.worker import PagedWorker
 
@@ -120,8 +122,14 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
             claim_socket(self.socket, str(vllm_config.kv_transfer_config.engine_id))
 
         async def on_loop(store: Store) -> None:
+            jobs = []
+            if settings.url is not None:
+                jobs.append(say_if_unreachable(store, settings.lookup_timeout))
             if rank == 0:  # the scheduler asks rank 0
-                await serve_lookups(store, self.socket, self.worker.key, settings.lookup_timeout)
+                jobs.append(
+                    serve_lookups(store, self.socket, self.worker.key, settings.lookup_timeout)
+                )
+            await asyncio.gather(*jobs)
 
         bridge = StoreThread(
             make_store,

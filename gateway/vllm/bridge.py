@@ -148,6 +148,23 @@ class StoreThread:
         future.add_done_callback(self._put_done)
         return True
 
+    def delete_later(self, key: str) -> bool:
+        """Delete ``key`` without waiting; False when too many saves or deletes are pending
+        (the same bound as ``put_later``'s)."""
+        with self._idle:
+            if self._pending >= self.max_pending:
+                return False
+            self._pending += 1
+        future = asyncio.run_coroutine_threadsafe(self._delete(key), self._loop)
+        future.add_done_callback(self._put_done)
+        return True
+
+    async def _delete(self, key: str) -> None:
+        try:
+            await self._bounded(self.store.delete(key))
+        except (GatewayError, TimeoutError) as exc:
+            self._note("delete", "kvgate: deleting an unusable chunk failed: %s", exc)
+
     def _put_done(self, _future: concurrent.futures.Future[None]) -> None:
         with self._idle:
             self._pending -= 1

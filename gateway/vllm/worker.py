@@ -2,7 +2,10 @@
 paged cache's full chunks out to the store. ``KvgateConnector`` calls it from vLLM's hooks.
 
 A chunk that does not load (a miss, something that is not a tensor, another layout) is never
-half-used: its blocks are reported back, and vLLM recomputes them.
+half-used: its blocks are reported back, and vLLM recomputes them. A chunk that is there but
+unusable is deleted too: it passed the lookup, so every later request for its prefix would
+plan its load, fail it and recompute it, and, since what is held is never saved again, the
+recomputed chunk would never replace it.
 """
 
 from __future__ import annotations
@@ -66,7 +69,18 @@ class PagedWorker:
             except ValueError as exc:  # vLLM recomputes these blocks
                 self.failed_chunks += 1
                 failed.update(move.block_ids[move.skip :])
-                log.debug("kvgate: chunk %d not loaded: %s", move.index, exc)
+                if chunk is None:
+                    log.debug("kvgate: chunk %d not loaded: %s", move.index, exc)
+                    continue
+                key = self.key(move.chunk_hash)
+                deleted = self.bridge.delete_later(key)
+                log.warning(
+                    "kvgate: chunk %d under %s not usable (%s): recomputed%s",
+                    move.index,
+                    key,
+                    exc,
+                    ", and deleted from the store" if deleted else "",
+                )
         return failed
 
     def save(self, moves: Iterable[ChunkMove]) -> None:

@@ -79,6 +79,11 @@ def test_chunks_that_cannot_load_are_reported_and_not_written(bridge: StoreThrea
     for cache, kept in zip(target.caches, before, strict=True):
         for block in (2, 8, 10, 11):
             assert torch.equal(cache[block], kept[block])
+    # The unusable chunk is deleted (its prefix would fail every load and never be saved
+    # again); the chunk that loaded stays.
+    settle(bridge)
+    assert bridge.lookup([target.key(1), target.key(2)]) == 1
+    assert bridge.lookup([target.key(2)]) == 0
 
 
 def test_another_model_or_layout_never_loads_a_chunk(bridge: StoreThread) -> None:

@@ -248,6 +248,10 @@ class BreakerConfig(_Strict):
 _URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
+DEFAULT_EVICTION = "lru"
+"""A tier's eviction policy unless its config names another."""
+
+
 class TierConfig(_Strict):
     """One tier: a connector URL plus capacity, codec and the layers around the connector.
 
@@ -263,7 +267,7 @@ class TierConfig(_Strict):
     url: str
     name: str | None = Field(default=None, min_length=1)
     capacity: ByteSize | None = None
-    eviction: str = "lru"
+    eviction: str = DEFAULT_EVICTION
     # One codec, or a chain applied in order (``[bytesplit, aesgcm]``): then ``codec_options``
     # is a list with one mapping per codec (or left out). See gateway/codec_chain.py.
     codec: str | list[str] = Field(default="raw", min_length=1)

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import xxhash
 
-from gateway.config import StoreConfig, TierConfig, load_config
+from gateway.config import DEFAULT_EVICTION, StoreConfig, TierConfig, load_config
 from gateway.connector import Connector, writing_durably
 from gateway.errors import (
     CapacityError,
@@ -206,9 +206,10 @@ class Store:
             options = dict(tcfg.options)
             if tcfg.capacity is not None:
                 options["capacity"] = tcfg.capacity
-            if "eviction" in tcfg.model_fields_set:  # given: the connector must take it
-                # Not passed by default: a connector that is bounded but does not evict
-                # (sqlite refuses puts when full) would refuse an option nobody wrote.
+            if tcfg.eviction != DEFAULT_EVICTION:  # another policy: the connector must take it
+                # The default is not passed: a connector that is bounded but does not evict
+                # (sqlite refuses puts when full) would refuse an option nobody wrote, and a
+                # dumped config writes the default out (evicting connectors default to it).
                 options["eviction"] = tcfg.eviction
             with _naming_tier(name):
                 conn = connect(tcfg.url, **options)

@@ -16,6 +16,7 @@ import json
 import os
 import stat as stat_module
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -303,21 +304,31 @@ def _checked_target(output: str) -> Path:
 def _to_file(target: Path, chunks: Iterator[bytes], bar: Progress, task: Any) -> None:
     """Write ``chunks`` beside ``target`` and rename over it: a reader never sees a
     half-written file, and a failure leaves neither a partial file nor a changed target."""
-    partial = target.with_name(f".{target.name}.part")
+    partial: Path | None = None
     try:
-        with partial.open("wb") as sink:
+        # A name of its own: two gets to one target never write into one partial file.
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+        partial = Path(name)
+        mask = os.umask(0)  # mkstemp makes it 0600; the file gets what open() would give it
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
+        with os.fdopen(fd, "wb") as sink:
             for chunk in chunks:
                 sink.write(chunk)
                 bar.advance(task, len(chunk))
         os.replace(partial, target)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            partial.unlink()
+        _remove(partial)
         raise fail(f"{target}: cannot write: {exc.strerror or exc}", 2) from None
     except BaseException:
+        _remove(partial)
+        raise
+
+
+def _remove(partial: Path | None) -> None:
+    if partial is not None:
         with contextlib.suppress(OSError):
             partial.unlink()
-        raise
 
 
 def _to_stdout(chunks: Iterator[bytes], bar: Progress, task: Any) -> None:

@@ -43,7 +43,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from gateway.store import Store
 from gateway.vllm.bridge import StoreThread
 from gateway.vllm.lookup import SocketLookup, claim_socket, serve_lookups, socket_path
-from gateway.vllm.plan import ChunkMove, NewRequest, Planner, RunningRequest
+from gateway.vllm.plan import (
+    ChunkMove,
+    NewRequest,
+    Planner,
+    RunningRequest,
+    saves_after_loads,
+)
 from gateway.vllm.reachable import say_if_unreachable
 from gateway.vllm.settings import VllmSettings
 from gateway.vllm.worker import PagedWorker
@@ -90,6 +96,10 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
             # request ("fail", for transfers that have no other copy); for a cache the
             # answer is to compute them, as without kvgate. The scheduler reads the policy
             # after creating its connector, from this same config object.
+            # (Under vLLM's MultiConnector each child has a copy of the config, and this does
+            # not reach the scheduler: set the policy there yourself.)
+            if transfer.kv_load_failure_policy != "recompute":
+                log.info("kvgate: kv_load_failure_policy set to recompute")
             transfer.kv_load_failure_policy = "recompute"
             self._lookup = SocketLookup(self.socket, self.settings.lookup_timeout)
             self._planner = Planner(
@@ -123,7 +133,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
 
         async def on_loop(store: Store) -> None:
             jobs = []
-            if settings.url is not None:
+            if settings.url is not None and rank == 0:  # one line, not one per rank
                 jobs.append(say_if_unreachable(store, settings.lookup_timeout))
             if rank == 0:  # the scheduler asks rank 0
                 jobs.append(
@@ -146,6 +156,7 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
         )
         self._bridge = bridge
         self._load_errors: set[int] = set()
+        self._step_failed: set[int] = set()  # this step's blocks whose load failed
         bridge.start()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -166,7 +177,8 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvgateMetadata)
         moves = [move for req_moves in meta.loads.values() for move in req_moves]
-        self._load_errors |= self.worker.load(moves)
+        self._step_failed = self.worker.load(moves)
+        self._load_errors |= self._step_failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv wrote every layer before the forward pass
@@ -183,7 +195,8 @@ class KvgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's class
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvgateMetadata)
-        self.worker.save(move for req_moves in meta.saves.values() for move in req_moves)
+        failed, self._step_failed = self._step_failed, set()
+        self.worker.save(saves_after_loads(meta.loads, meta.saves, failed))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._load_errors = self._load_errors, set()

@@ -42,6 +42,7 @@ log = logging.getLogger("kvgate.vllm")
 MAX_LINE = 1 << 20  # bytes of one question
 MAX_CHUNKS = 4096  # chunks of one question (a 1M-token prompt in 256-token chunks)
 LOOKUP_BACKOFF = 10.0  # seconds of lookups answered 0 without asking, after one timed out
+WORKER_SHARE = 0.8  # of lookup_timeout, the worker's own deadline for answering
 
 
 def socket_path(engine_id: str) -> str:
@@ -59,19 +60,29 @@ def claim_socket(path: str, engine_id: str) -> None:
     store does not hold). Called before the worker starts serving, so vLLM fails at start.
     """
     try:
-        mode = os.lstat(path).st_mode
+        info = os.lstat(path)
     except FileNotFoundError:
         return
-    if not stat.S_ISSOCK(mode):
+    if not stat.S_ISSOCK(info.st_mode):
         raise ConfigError(f"kvgate: {path} exists and is not a socket; remove it")
+    if info.st_uid != os.geteuid():
+        raise ConfigError(
+            f"kvgate: {path} (engine_id {engine_id!r}) belongs to another user; give this "
+            "engine its own engine_id"
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
         probe.connect(path)
-    except OSError:  # nobody listens: left by a worker that died
+    except (ConnectionRefusedError, FileNotFoundError):  # nobody listens: a dead worker's
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
+    except OSError as exc:  # busy or unreachable, not known dead: not removed
+        raise ConfigError(
+            f"kvgate: {path} (engine_id {engine_id!r}) exists and does not answer as a dead "
+            f"worker's would ({exc}); give this engine its own engine_id"
+        ) from None
     finally:
         probe.close()
     raise ConfigError(
@@ -86,9 +97,7 @@ async def serve_lookups(
     """Answer lookups on ``path`` until cancelled (the socket is the user's alone);
     ``key_of`` turns a chunk hash into this worker's key; a lookup that takes over
     ``lookup_timeout`` seconds is answered 0 (the scheduler has stopped waiting for it)."""
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISSOCK(os.lstat(path).st_mode):  # left by a worker that died
-            os.unlink(path)
+    claim_socket(path, os.path.basename(path))  # a dead worker's is removed, a live one kept
     handlers: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -101,7 +110,9 @@ async def serve_lookups(
                 answer: dict[str, Any] = {"prefix": 0}
                 if hashes is not None:
                     try:
-                        async with asyncio.timeout(lookup_timeout):
+                        # A little under the scheduler's own deadline, so that the answer
+                        # reaches it before it gives up and drops the connection.
+                        async with asyncio.timeout(WORKER_SHARE * lookup_timeout):
                             found = await verified_prefix(store, [key_of(h) for h in hashes])
                         answer["prefix"] = found
                     except TimeoutError:  # the scheduler backs off, as after its own timeout
@@ -218,6 +229,8 @@ class SocketLookup:
                 raise ValueError("a lookup answer too long")
         line, self._buffered = self._buffered.split(b"\n", 1)
         answer = json.loads(line)
+        if not isinstance(answer, dict):
+            raise ValueError(f"a lookup answer that is not an object: {line[:80]!r}")
         if answer.get("slow") is True:
             return self._slow()
         prefix = answer["prefix"]

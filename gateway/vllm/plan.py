@@ -15,7 +15,7 @@ tokens came before it. Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.keys import hash_to_int, lmcache_prefix_hashes, none_hash
@@ -184,3 +184,24 @@ class Planner:
             window = list(tokens[i * self.chunk_size : (i + 1) * self.chunk_size])
             tracked.hashes += lmcache_prefix_hashes(window, self.chunk_size, parent=parent)
         return tracked.hashes[:count]
+
+
+def saves_after_loads(
+    loads: Mapping[str, Sequence[ChunkMove]],
+    saves: Mapping[str, Sequence[ChunkMove]],
+    failed_blocks: set[int],
+) -> list[ChunkMove]:
+    """A step's saves, less those computed over a load that failed in the same step.
+
+    A request's chunks past a chunk whose load failed were computed by attending to blocks
+    nobody wrote: vLLM recomputes them (it is told the failed blocks), but saved they would
+    be wrong KV under a right key, loaded by every later request with that prefix.
+    """
+    kept: list[ChunkMove] = []
+    for req_id, moves in saves.items():
+        failed = [
+            m.index for m in loads.get(req_id, ()) if failed_blocks & set(m.block_ids[m.skip :])
+        ]
+        first_bad = min(failed, default=None)
+        kept += [m for m in moves if first_bad is None or m.index < first_bad]
+    return kept

@@ -3,9 +3,10 @@ paged cache's full chunks out to the store. ``KvgateConnector`` calls it from vL
 
 A chunk that does not load (a miss, something that is not a tensor, another layout) is never
 half-used: its blocks are reported back, and vLLM recomputes them. A chunk that is there but
-unusable is deleted too: it passed the lookup, so every later request for its prefix would
-plan its load, fail it and recompute it, and, since what is held is never saved again, the
-recomputed chunk would never replace it.
+not a tensor at all is deleted too: it passed the lookup, so every later request for its
+prefix would plan its load, fail it and recompute it, and, since what is held is never saved
+again, the recomputed chunk would never replace it. (A tensor of another shape is left: keys
+do not name the number of layers, so it may be another deployment's good chunk.)
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class PagedWorker:
             except ValueError as exc:  # vLLM recomputes these blocks
                 self.failed_chunks += 1
                 failed.update(move.block_ids[move.skip :])
-                if chunk is None:
+                if isinstance(chunk, torch.Tensor) or chunk is None:
+                    # A tensor of another shape may be another deployment's good chunk
+                    # (keys do not say the number of layers): left alone.
                     log.debug("kvgate: chunk %d not loaded: %s", move.index, exc)
                     continue
                 key = self.key(move.chunk_hash)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from gateway.keys import Chunker
-from gateway.vllm.plan import NewRequest, Planner, RunningRequest
+from gateway.vllm.plan import NewRequest, Planner, RunningRequest, saves_after_loads
 
 BLOCK, CHUNK = 128, 256  # two blocks a chunk, as with vLLM's CPU block size
 
@@ -144,3 +144,24 @@ def test_a_preempted_request_loads_what_it_saved_into_its_new_blocks() -> None:
     assert "r" not in saves  # saved already: not again
     loads, _ = plan.step([], [RunningRequest("r", None, False, 3 * CHUNK + 36)])
     assert loads == {}  # sent once
+
+
+def test_no_chunk_computed_over_a_failed_load_is_saved() -> None:
+    """One step loads chunk 0 and computes chunks 1-2 on top of it: when chunk 0's load
+    fails, chunks 1-2 attended to unwritten blocks and must not be stored (vLLM recomputes
+    them). Another request's saves in the same step are kept."""
+    plan, _ = planner(held=1)
+    prompt = list(range(800))
+    assert plan.matched_tokens("r", prompt, lambda: prompt, 0) == CHUNK
+    plan.allocated("r", CHUNK)
+    other = list(range(1000, 1600))
+    plan.matched_tokens("o", other, lambda: other, 0)
+    plan.allocated("o", 0)
+    loads, saves = plan.step(
+        [NewRequest("r", list(range(10, 17)), 800), NewRequest("o", list(range(30, 35)), 600)], []
+    )
+    assert [m.index for m in loads["r"]] == [0]
+    assert [m.index for m in saves["r"]] == [1, 2]
+    kept = saves_after_loads(loads, saves, failed_blocks={10, 11})
+    assert [m.block_ids for m in kept] == [m.block_ids for m in saves["o"]]
+    assert saves_after_loads(loads, saves, failed_blocks=set()) == [*saves["r"], *saves["o"]]

@@ -212,3 +212,26 @@ def test_a_socket_left_by_a_dead_worker_is_removed(tmp_path: Path) -> None:
     left.close()
     claim_socket(path, "engine-a")
     assert not os.path.exists(path)
+
+
+def test_an_answer_that_is_not_an_object_is_a_miss(tmp_path: Path) -> None:
+    path = str(tmp_path / "odd.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen()
+
+    def answer_oddly() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"[1]\n")
+
+    thread = threading.Thread(target=answer_oddly)
+    thread.start()
+    lookup = SocketLookup(path, timeout=5.0)
+    try:
+        assert lookup([1]) == 0
+    finally:
+        lookup.close()
+        thread.join(5)
+        server.close()

@@ -166,7 +166,7 @@ async def test_a_tiers_capacity_in_a_store_config_bounds_the_database(tmp_path: 
         got = await store.get("a")
         assert isinstance(got, bytes)
         assert_same_bytes(got, make_bytes(60 * KiB, 1))
-    tier["eviction"] = "lru"  # asked for: refused, since the plugin never evicts
+    tier["eviction"] = "lfu"  # asked for: refused, since the plugin never evicts
     with pytest.raises(ConfigError, match="eviction"):
         async with Store({**config, "tiers": [tier]}):
             pass

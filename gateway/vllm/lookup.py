@@ -43,6 +43,7 @@ MAX_LINE = 1 << 20  # bytes of one question
 MAX_CHUNKS = 4096  # chunks of one question (a 1M-token prompt in 256-token chunks)
 LOOKUP_BACKOFF = 10.0  # seconds of lookups answered 0 without asking, after one timed out
 WORKER_SHARE = 0.8  # of lookup_timeout, the worker's own deadline for answering
+ACCEPTED_SETTLE = 0.05  # seconds for connections accepted as the server closes to arrive
 
 
 def socket_path(engine_id: str) -> str:
@@ -134,6 +135,10 @@ async def serve_lookups(
         await asyncio.Future()  # until cancelled
     finally:
         server.close()
+        # A connection accepted just before takes a few loop turns to reach its handler
+        # (accept task, connection_made, the handler's first step), and one whose handler
+        # never ran is never closed (a ResourceWarning later): let them arrive first.
+        await asyncio.sleep(ACCEPTED_SETTLE)
         # Connections outlive the server: closing each ends its handler's read (cancelling
         # the handler instead makes Python 3.11's stream callback raise CancelledError).
         for writer in list(handlers.values()):

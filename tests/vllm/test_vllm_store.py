@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,17 +87,25 @@ def test_a_load_that_takes_too_long_is_a_miss() -> None:
         bridge.close()
 
 
+def serving_bridge(
+    make_store: Callable[[], Store], tmp_path: Path, lookup_timeout: float
+) -> tuple[StoreThread, str]:
+    """A started store thread that answers lookups on its socket (as rank 0's worker)."""
+    path = socket_path(f"test-{tmp_path.name}")
+    bridge = StoreThread(
+        make_store,
+        max_pending=8,
+        timeout=10.0,
+        on_loop=lambda store: serve_lookups(store, path, key_of, lookup_timeout),
+    )
+    bridge.start()
+    return bridge, path
+
+
 @pytest.fixture
 def disk_store(tmp_path: Path) -> Any:
     cfg = {"tiers": [{"url": f"file://{tmp_path / 'disk'}"}], "staging": 8 * MiB}
-    path = socket_path(f"test-{tmp_path.name}")
-    bridge = StoreThread(
-        lambda: Store(cfg),
-        max_pending=8,
-        timeout=10.0,
-        on_loop=lambda store: serve_lookups(store, path, key_of, 10.0),
-    )
-    bridge.start()
+    bridge, path = serving_bridge(lambda: Store(cfg), tmp_path, 10.0)
     yield bridge, path
     bridge.close()
 
@@ -162,14 +171,7 @@ def test_a_stalled_store_costs_the_scheduler_one_deadline_then_a_quiet_spell(
             return int(await super().lookup(keys, *args, **kwargs))
 
     cfg = {"tiers": [{"url": "memory://", "capacity": 8 * MiB}], "prefault": False}
-    path = socket_path(f"test-{tmp_path.name}")
-    bridge = StoreThread(
-        lambda: Stalling(cfg),
-        max_pending=8,
-        timeout=10.0,
-        on_loop=lambda store: serve_lookups(store, path, key_of, 0.5),
-    )
-    bridge.start()
+    bridge, path = serving_bridge(lambda: Stalling(cfg), tmp_path, 0.5)
     scheduler = SocketLookup(path, timeout=1.0, backoff=1.5)
     worker_bound = SocketLookup(path, timeout=5.0)
     try:
